@@ -1,0 +1,75 @@
+"""Router (HF Qwen3-MoE semantics), the load-balancing statistics, and capacity selection.
+
+Router: logits in the model dtype -> fp32 softmax -> top-k -> optional renormalisation ->
+weights cast back to the model dtype (exactly as transformers' Qwen3MoeTopKRouter).
+
+Aux loss: transformers pools all MoE layers before normalising
+(`load_balancing_loss_func`): aux = E * sum_e (N_e / (L*T)) * (P_e / (L*T)), N_e the top-k
+assignments of expert e summed over layers and P_e its softmax mass. So each layer emits its
+raw statistics `[2, E]` (counts, prob sums) and the model combines them: the per-layer scope
+stays self-contained (and graphable) while the loss matches HF to the bit of its formula.
+
+Everything here is sync-free: no .item(), no bincount, no nonzero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def route(x_TH: torch.Tensor, w_router_EH: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """Return (topk_ids_TK int64, topk_weights_TK in x's dtype, probs_TE fp32)."""
+    logits_TE = F.linear(x_TH, w_router_EH)
+    probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    topk_weights_TK, topk_ids_TK = torch.topk(probs_TE, top_k, dim=-1)
+    if norm_topk_prob:
+        topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(dim=-1, keepdim=True)
+    return topk_ids_TK, topk_weights_TK.to(logits_TE.dtype), probs_TE
+
+
+def aux_stats(topk_ids_TK: torch.Tensor, probs_TE: torch.Tensor) -> torch.Tensor:
+    """Per-layer load-balancing statistics `[2, E]` fp32: row 0 top-k counts, row 1 prob sums."""
+    num_experts = probs_TE.shape[-1]
+    counts_E = torch.zeros(num_experts, dtype=torch.float32, device=probs_TE.device)
+    counts_E = counts_E.scatter_add(
+        0, topk_ids_TK.reshape(-1), torch.ones(topk_ids_TK.numel(), dtype=torch.float32,
+                                               device=probs_TE.device))
+    return torch.stack([counts_E, probs_TE.sum(dim=0)])
+
+
+def aux_loss_from_stats(stats: list[torch.Tensor], num_tokens: int) -> torch.Tensor:
+    """HF's pooled load-balancing loss from every MoE layer's `[2, E]` statistics."""
+    total = torch.stack(stats).sum(dim=0)
+    rows = num_tokens * len(stats)
+    num_experts = total.shape[-1]
+    return torch.sum((total[0] / rows) * (total[1] / rows)) * num_experts
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(T*k*F/E) routes per expert."""
+    return max(1, math.ceil(num_tokens * top_k * capacity_factor / num_experts))
+
+
+def capacity_keep_TK(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
+                     capacity: int) -> torch.Tensor:
+    """Bool [T, k]: per expert keep the `capacity` routes of highest weight, ties to lower token.
+
+    Two stable sorts: by weight descending, then by expert. Route ids r = t*k+j grow with the
+    token index and a token routes to an expert at most once, so stability gives the
+    lower-token tie break.
+    """
+    ids_N = topk_ids_TK.reshape(-1)
+    w_N = topk_weights_TK.reshape(-1).float()
+    by_weight = torch.sort(w_N, descending=True, stable=True).indices
+    by_expert = torch.sort(ids_N[by_weight], stable=True).indices
+    order_N = by_weight[by_expert]  # routes grouped by expert, best first
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=ids_N.device)
+    counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    rank_sorted = torch.arange(ids_N.numel(), device=ids_N.device) - start_E[ids_N[order_N]]
+    keep_N = torch.empty_like(ids_N, dtype=torch.bool)
+    keep_N[order_N] = rank_sorted < capacity
+    return keep_N.view_as(topk_ids_TK)
