@@ -69,6 +69,7 @@ class ModelConfig:
              f"model.num_experts_per_tok {c.num_experts_per_tok} must be in 1..num_experts "
              f"({c.num_experts})"),
             (c.decoder_sparse_step >= 1, "model.decoder_sparse_step must be >= 1"),
+            (not c.attention_bias, "model.attention_bias=true is not supported (Qwen3 has none)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -139,8 +140,13 @@ class RunConfig:
     weight_decay: float = 0.0
     scopes: list[str] = field(default_factory=lambda: ["attn", "moe"])
     pool: str = "shared"
-    data: typing.Optional[str] = None  # a .npy / .pt / .bin file of token ids; None = synthetic
+    data: typing.Optional[str] = None  # a .pt / .bin file of token ids; None = synthetic
     device: str = "auto"
+    # Settings graph capture refuses (fail closed at plan and capture time):
+    activation_checkpointing: bool = False
+    fp8: bool = False
+    pipeline_interleave: int = 1
+    dynamic_shapes: bool = False
 
     def validate(self) -> "RunConfig":
         if self.dtype not in ("bfloat16", "float32", "float16"):

@@ -1,0 +1,23 @@
+"""Configurations graph capture does not support: refused before anything is captured."""
+
+from __future__ import annotations
+
+from .config import Profile
+from .errors import NotCapturableError
+
+
+def check_capturable(prof: Profile, pool: str | None = None) -> None:
+    run = prof.run
+    if run.activation_checkpointing:
+        raise NotCapturableError("run.activation_checkpointing=true: recomputation inside a "
+                                 "graphed scope is not supported; turn it off or capture nothing")
+    if run.fp8:
+        raise NotCapturableError("run.fp8=true: fp8 scaling state is not part of a scope's "
+                                 "contract; fp8 capture is not supported")
+    if run.pipeline_interleave != 1:
+        raise NotCapturableError(f"run.pipeline_interleave={run.pipeline_interleave}: "
+                                 "interleaved pipeline schedules replay graphs out of capture "
+                                 "order; only 1 is supported")
+    if run.dynamic_shapes and (pool or run.pool) in ("shared", "per_scope", "auto"):
+        raise NotCapturableError("run.dynamic_shapes=true with a shared pool: graphs sharing "
+                                 "a pool must replay one fixed shape; use --pool per_entry")

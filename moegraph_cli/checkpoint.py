@@ -1,0 +1,562 @@
+"""Checkpoint I/O: HF Qwen3-MoE safetensors on disk <-> moegraph state dicts in memory.
+
+This is the one place that knows HF tensor names (torchtitan's `from_hf_map` idea): the table
+from `hf_to_moegraph_names` maps each HF tensor to a moegraph name and to where in that tensor
+it goes. Experts are stacked in memory and stored one tensor per expert on disk:
+
+    model.layers.{i}.mlp.experts.{e}.gate_proj.weight [F, H] -> layers.{i}.moe.w_gate_up[e, :F]
+    model.layers.{i}.mlp.experts.{e}.up_proj.weight   [F, H] -> layers.{i}.moe.w_gate_up[e, F:]
+    model.layers.{i}.mlp.experts.{e}.down_proj.weight [H, F] -> layers.{i}.moe.w_down[e]
+
+Loading also accepts the fused spelling some writers use, per layer (never mixed in a layer):
+`model.layers.{i}.mlp.experts.gate_up_proj` [E, 2F, H] and `...experts.down_proj` [E, H, F].
+Saving always writes the per-expert spelling (what transformers 4.x and 5.x write).
+
+Loading is two steps. `plan_load` reads only the safetensors headers (8-byte little-endian
+length, then JSON) and checks everything a large read could trip on: names, shapes, dtypes,
+offsets, file sizes and the shard index. `load_state_dict` then reads each file once, in offset
+order, through `safetensors.safe_open`. Every problem is a one-line `CheckpointError` naming the
+tensor and the file.
+
+A checkpoint holds one floating dtype (F32, BF16 or F16) throughout, as HF writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, NamedTuple
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .errors import CheckpointError, UsageError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_PER_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.")
+
+# Safetensors dtype -> the torch dtype moegraph loads it as. Anything else is refused.
+LOADABLE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in LOADABLE_DTYPES.items()}
+# Bits per element of every safetensors dtype, to check each tensor's byte span.
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}
+_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+# -- the name table ------------------------------------------------------------------------
+
+
+class Slot(NamedTuple):
+    """Where one HF tensor lives in the moegraph state dict."""
+
+    name: str                   # moegraph state-dict name
+    index: tuple                # () the whole tensor; (e,) expert e; (e, slice) rows of expert e
+    shape: tuple[int, ...]      # the HF tensor's shape on disk
+
+
+def hf_to_moegraph_names(cfg: ModelConfig, fused_layers: Iterable[int] = ()) -> dict[str, Slot]:
+    """HF tensor name -> Slot, in save order (layer by layer). Layers in `fused_layers` use
+    the fused expert spelling; the others one tensor per expert."""
+    fused_layers = set(fused_layers)
+    H, V, E = cfg.hidden_size, cfg.vocab_size, cfg.num_experts
+    F, I, hd = cfg.moe_intermediate_size, cfg.intermediate_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+
+    table = {"model.embed_tokens.weight": Slot("embed_tokens.weight", (), (V, H))}
+    for i in range(cfg.num_hidden_layers):
+        hf, mg = f"model.layers.{i}.", f"layers.{i}."
+
+        def put(hf_suffix, mg_suffix, shape, index=()):
+            table[hf + hf_suffix] = Slot(mg + mg_suffix, index, shape)
+
+        put("input_layernorm.weight", "attn.input_norm.weight", (H,))
+        put("self_attn.q_proj.weight", "attn.q_proj.weight", (q_rows, H))
+        put("self_attn.k_proj.weight", "attn.k_proj.weight", (kv_rows, H))
+        put("self_attn.v_proj.weight", "attn.v_proj.weight", (kv_rows, H))
+        put("self_attn.o_proj.weight", "attn.o_proj.weight", (H, q_rows))
+        put("self_attn.q_norm.weight", "attn.q_norm.weight", (hd,))
+        put("self_attn.k_norm.weight", "attn.k_norm.weight", (hd,))
+        if cfg.is_moe_layer(i):
+            put("post_attention_layernorm.weight", "moe.post_norm.weight", (H,))
+            put("mlp.gate.weight", "moe.router.weight", (E, H))
+            if i in fused_layers:
+                put("mlp.experts.gate_up_proj", "moe.w_gate_up", (E, 2 * F, H))
+                put("mlp.experts.down_proj", "moe.w_down", (E, H, F))
+            else:
+                for e in range(E):
+                    x = f"mlp.experts.{e}."
+                    put(x + "gate_proj.weight", "moe.w_gate_up", (F, H), (e, slice(0, F)))
+                    put(x + "up_proj.weight", "moe.w_gate_up", (F, H), (e, slice(F, 2 * F)))
+                    put(x + "down_proj.weight", "moe.w_down", (H, F), (e,))
+        else:
+            put("post_attention_layernorm.weight", "mlp.post_norm.weight", (H,))
+            put("mlp.gate_proj.weight", "mlp.gate_proj.weight", (I, H))
+            put("mlp.up_proj.weight", "mlp.up_proj.weight", (I, H))
+            put("mlp.down_proj.weight", "mlp.down_proj.weight", (H, I))
+    table["model.norm.weight"] = Slot("norm.weight", (), (H,))
+    if not cfg.tie_word_embeddings:
+        table["lm_head.weight"] = Slot("lm_head.weight", (), (V, H))
+    return table
+
+
+def moegraph_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """moegraph state-dict name -> shape. The fused spelling maps one to one, so it is this."""
+    every_layer = range(cfg.num_hidden_layers)
+    return {s.name: s.shape for s in hf_to_moegraph_names(cfg, fused_layers=every_layer).values()}
+
+
+def _config_summary(cfg: ModelConfig) -> str:
+    return (f"{cfg.num_hidden_layers} layers, {cfg.num_experts} experts, mlp_only_layers "
+            f"{list(cfg.mlp_only_layers)}, decoder_sparse_step {cfg.decoder_sparse_step}, "
+            f"tie_word_embeddings {str(cfg.tie_word_embeddings).lower()}")
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _and_more(items: list, what: str) -> str:
+    return f" (and {len(items) - 1} more {what})" if len(items) > 1 else ""
+
+
+# -- safetensors headers -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    dtype: str                  # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+    offsets: tuple[int, int]    # absolute byte range [begin, end) in the file
+
+
+def read_safetensors_header(file: Path) -> dict[str, HeaderEntry]:
+    """Tensor name -> HeaderEntry, reading only the header, with every check safetensors makes
+    (so a later safe_open cannot fail on the format) plus a file-size check."""
+    file = Path(file)
+    name, size = file.name, file.stat().st_size
+
+    def corrupt(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint: {name} has a corrupt header: {why}")
+
+    if size < 8:
+        raise CheckpointError(f"checkpoint: {name} is truncated: {size} bytes is too short for "
+                              "a safetensors header")
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len > size - 8 or header_len > _MAX_HEADER_BYTES:
+            raise corrupt(f"header length {header_len} does not fit in the file's {size} bytes")
+        raw = f.read(header_len)
+
+    def no_duplicate_keys(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            dup = next(k for k in keys if keys.count(k) > 1)
+            raise corrupt(f"key {dup} appears twice")
+        return dict(pairs)
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise corrupt(f"not valid JSON ({getattr(e, 'msg', type(e).__name__)})") from None
+    if not isinstance(header, dict):
+        raise corrupt("not a JSON object")
+    meta = header.pop("__metadata__", {})
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise corrupt("__metadata__ is not a map of strings")
+
+    data_start = 8 + header_len
+    entries = {}
+    for key, info in header.items():
+        ok = (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+              and isinstance(info.get("shape"), list) and isinstance(info.get("data_offsets"), list)
+              and all(type(d) is int and d >= 0 for d in info["shape"])
+              and len(info["data_offsets"]) == 2
+              and all(type(o) is int and o >= 0 for o in info["data_offsets"]))
+        if not ok:
+            raise corrupt(f"tensor {key} needs dtype, shape and data_offsets")
+        begin, end = info["data_offsets"]
+        bits = _DTYPE_BITS.get(info["dtype"])
+        if bits is None:
+            raise corrupt(f"tensor {key} has unknown dtype {info['dtype']!r}")
+        need_bits = math.prod(info["shape"]) * bits
+        if end < begin or need_bits % 8 or end - begin != need_bits // 8:
+            raise corrupt(f"tensor {key} spans bytes {begin}..{end} but {info['dtype']} "
+                          f"{_shape_str(info['shape'])} needs {need_bits // 8}")
+        entries[key] = HeaderEntry(info["dtype"], tuple(info["shape"]),
+                                   (data_start + begin, data_start + end))
+
+    # Tensors must tile the data region exactly, in some order (safetensors' own rule).
+    pos, prev = data_start, None
+    for key, entry in sorted(entries.items(), key=lambda kv: kv[1].offsets):
+        begin, end = entry.offsets
+        if begin < pos:
+            raise corrupt(f"tensors {prev} and {key} overlap")
+        if begin > pos:
+            raise corrupt(f"{begin - pos} unused bytes before tensor {key}")
+        if end > size:
+            raise CheckpointError(f"checkpoint: {name} is truncated: tensor {key} ends at byte "
+                                  f"{end} but the file has {size} bytes")
+        pos, prev = end, key
+    if pos != size:
+        raise corrupt(f"{size - pos} bytes after the last tensor")
+    return entries
+
+
+# -- planning a load ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorRead:
+    """One HF tensor to read and where it goes."""
+
+    hf_name: str
+    file: str                   # file name inside the checkpoint directory
+    offsets: tuple[int, int]    # absolute byte range [begin, end) in the file
+    dtype: str                  # safetensors dtype name
+    shape: tuple[int, ...]      # shape on disk
+    target: str                 # moegraph name
+    index: tuple                # where in the target (see Slot)
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets[1] - self.offsets[0]
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A validated checkpoint: what to read from which file, in read order."""
+
+    root: Path
+    files: tuple[str, ...]              # read order
+    reads: tuple[TensorRead, ...]       # by file, then by offset
+    dtype: torch.dtype                  # the checkpoint's one dtype
+    shapes: dict[str, tuple[int, ...]]  # moegraph name -> shape, the result's order
+    fused_layers: frozenset[int]        # layers stored with the fused expert spelling
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.reads)
+
+    def reads_of(self, file: str) -> list[TensorRead]:
+        return [r for r in self.reads if r.file == file]
+
+
+def _find_layout(path: Path) -> tuple[Path, str | None]:
+    """(checkpoint dir, the single file's name or None when sharded by the index)."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_file():
+        if path.name == INDEX_FILE or path.suffix == ".safetensors":
+            return path.parent, (None if path.name == INDEX_FILE else path.name)
+        raise CheckpointError(f"checkpoint {path} is neither a .safetensors file nor {INDEX_FILE}")
+    single, index = (path / SINGLE_FILE).is_file(), (path / INDEX_FILE).is_file()
+    if single and index:
+        raise CheckpointError(f"checkpoint {path} has both {SINGLE_FILE} and {INDEX_FILE}; "
+                              "remove the stale one")
+    if not (single or index):
+        raise CheckpointError(f"checkpoint {path} has no {SINGLE_FILE} or {INDEX_FILE}")
+    return path, (SINGLE_FILE if single else None)
+
+
+def _read_index(root: Path) -> dict[str, str]:
+    """weight_map of the shard index: tensor -> file, each file checked to exist."""
+    try:
+        index = json.loads((root / INDEX_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint: {INDEX_FILE} is not valid JSON ({e.msg} at line "
+                              f"{e.lineno})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"checkpoint: {INDEX_FILE} is not UTF-8 text") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not (isinstance(weight_map, dict)
+            and all(isinstance(v, str) for v in weight_map.values())):
+        raise CheckpointError(f"checkpoint: {INDEX_FILE} has no weight_map of tensor -> file")
+    checked = set()
+    for tensor, file in weight_map.items():
+        if file in checked:
+            continue
+        if file in ("", ".", "..") or Path(file).name != file:
+            raise CheckpointError(f"checkpoint: {INDEX_FILE} names file {file!r} for tensor "
+                                  f"{tensor}, which is not a file in the checkpoint directory")
+        if not (root / file).is_file():
+            raise CheckpointError(f"checkpoint: {INDEX_FILE} names {file} for tensor {tensor}, "
+                                  f"but {root / file} does not exist")
+        checked.add(file)
+    return weight_map
+
+
+def _disk_tensors(root: Path, single: str | None) -> tuple[dict[str, tuple[str, HeaderEntry]], str]:
+    """HF name -> (file, header entry) over the whole checkpoint, and the name of the file that
+    lists the tensors (for 'missing' messages)."""
+    if single is not None:
+        return {k: (single, e) for k, e in read_safetensors_header(root / single).items()}, single
+    weight_map = _read_index(root)
+    disk = {}
+    for file in sorted(set(weight_map.values())):
+        for key, entry in read_safetensors_header(root / file).items():
+            listed = weight_map.get(key)
+            if listed is None:
+                raise CheckpointError(f"checkpoint: tensor {key} in {file} is not listed in "
+                                      f"{INDEX_FILE}")
+            if listed != file:
+                raise CheckpointError(f"checkpoint: tensor {key} is in {file} but {INDEX_FILE} "
+                                      f"says {listed}")
+            disk[key] = (file, entry)
+    for key, file in weight_map.items():
+        if key not in disk:
+            raise CheckpointError(f"checkpoint: tensor {key} is not in {file}, where "
+                                  f"{INDEX_FILE} says it is")
+    return disk, INDEX_FILE
+
+
+def _fused_layers(disk: Mapping[str, tuple[str, HeaderEntry]], cfg: ModelConfig) -> set[int]:
+    """MoE layers stored with the fused expert spelling; a layer mixing both is an error."""
+    per_expert = {}
+    for key in disk:
+        m = _PER_EXPERT_KEY.match(key)
+        if m:
+            per_expert.setdefault(int(m.group(1)), key)
+    fused = set()
+    for i in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        prefix = f"model.layers.{i}.mlp.experts."
+        found = [k for k in (prefix + "gate_up_proj", prefix + "down_proj") if k in disk]
+        if not found:
+            continue
+        if i in per_expert:
+            other = per_expert[i]
+            raise CheckpointError(
+                f"checkpoint: tensor {found[0]} in {disk[found[0]][0]} is the fused expert "
+                f"spelling but layer {i} also has {other} in {disk[other][0]}; a layer must use "
+                "one spelling")
+        fused.add(i)
+    return fused
+
+
+def plan_load(path: str | os.PathLike, cfg: ModelConfig) -> LoadPlan:
+    """Check a checkpoint against `cfg` from its headers alone; see the module docstring."""
+    root, single = _find_layout(Path(path))
+    disk, listing = _disk_tensors(root, single)
+    fused = _fused_layers(disk, cfg)
+    table = hf_to_moegraph_names(cfg, fused)
+
+    missing = [k for k in table if k not in disk]
+    if missing:
+        raise CheckpointError(f"checkpoint: tensor {missing[0]} is missing from {listing}"
+                              + _and_more(missing, "missing"))
+    tied_head = cfg.tie_word_embeddings and "lm_head.weight" in disk
+    unexpected = [k for k in disk if k not in table and not (tied_head and k == "lm_head.weight")]
+    if unexpected:
+        key = unexpected[0]
+        raise CheckpointError(f"checkpoint: tensor {key} in {disk[key][0]} is not a parameter of "
+                              f"the config's model ({_config_summary(cfg)})"
+                              + _and_more(unexpected, "unexpected"))
+    expected = {k: s.shape for k, s in table.items()}
+    if tied_head:  # accepted and ignored, but only in the shape of the embedding
+        expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    for key, shape in expected.items():
+        file, entry = disk[key]
+        if entry.shape != shape:
+            raise CheckpointError(f"checkpoint: tensor {key} in {file} has shape "
+                                  f"{_shape_str(entry.shape)}, config says {_shape_str(shape)}")
+
+    first = next(iter(table))
+    ref_file, ref = disk[first]
+    for key in table:
+        file, entry = disk[key]
+        if entry.dtype not in LOADABLE_DTYPES:
+            raise CheckpointError(f"checkpoint: tensor {key} in {file} has dtype {entry.dtype}; "
+                                  f"moegraph loads {', '.join(LOADABLE_DTYPES)}")
+        if entry.dtype != ref.dtype:
+            raise CheckpointError(f"checkpoint: tensor {key} in {file} has dtype {entry.dtype} "
+                                  f"but {first} in {ref_file} has {ref.dtype}; a checkpoint "
+                                  "holds one dtype")
+
+    reads = sorted(
+        (TensorRead(key, disk[key][0], disk[key][1].offsets, disk[key][1].dtype,
+                    disk[key][1].shape, slot.name, slot.index) for key, slot in table.items()),
+        key=lambda r: (r.file, r.offsets))
+    return LoadPlan(root=root, files=tuple(dict.fromkeys(r.file for r in reads)),
+                    reads=tuple(reads), dtype=LOADABLE_DTYPES[ref.dtype],
+                    shapes=moegraph_shapes(cfg), fused_layers=frozenset(fused))
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def _check_float_dtype(dtype, what: str) -> None:
+    if dtype not in _DTYPE_NAMES:
+        raise UsageError(f"{what} {dtype} is not one of torch.float32, torch.bfloat16, "
+                         "torch.float16")
+
+
+def load_state_dict(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """moegraph state dict (experts stacked) from an HF checkpoint directory or file.
+
+    dtype None keeps the checkpoint's dtype; otherwise tensors are cast while loading. Each file
+    is opened once and its tensors read in offset order."""
+    plan = plan_load(path, cfg)
+    out_dtype = plan.dtype if dtype is None else dtype
+    _check_float_dtype(out_dtype, "load dtype")
+    stacked = {r.target for r in plan.reads if r.index != ()}
+    state = {name: torch.empty(plan.shapes[name], dtype=out_dtype, device=device)
+             for name in stacked}
+    for file in plan.files:
+        try:
+            with safe_open(plan.root / file, framework="pt", device="cpu") as f:
+                for r in plan.reads_of(file):
+                    t = f.get_tensor(r.hf_name)
+                    if r.index == ():
+                        state[r.target] = t.to(device=device, dtype=out_dtype)
+                    else:
+                        state[r.target][r.index].copy_(t)
+        except (SafetensorError, OSError) as e:  # the file changed since plan_load read it
+            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"checkpoint: reading {file} failed: {first_line}") from None
+    return {name: state[name] for name in plan.shapes}
+
+
+# -- saving -------------------------------------------------------------------------------
+
+
+def _check_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                      shapes: Mapping[str, tuple[int, ...]]) -> None:
+    missing = [k for k in shapes if k not in state_dict]
+    if missing:
+        raise CheckpointError(f"checkpoint: state dict is missing {missing[0]}"
+                              + _and_more(missing, "missing"))
+    tied_head = cfg.tie_word_embeddings and "lm_head.weight" in state_dict
+    unexpected = [k for k in state_dict if k not in shapes
+                  and not (tied_head and k == "lm_head.weight")]
+    if unexpected:
+        raise CheckpointError(f"checkpoint: state dict tensor {unexpected[0]} is not a parameter "
+                              f"of the config's model ({_config_summary(cfg)})"
+                              + _and_more(unexpected, "unexpected"))
+    for name, shape in shapes.items():
+        got = tuple(state_dict[name].shape)
+        if got != shape:
+            raise CheckpointError(f"checkpoint: state dict tensor {name} has shape "
+                                  f"{_shape_str(got)}, config says {_shape_str(shape)}")
+    if tied_head and not _same_bits(state_dict["lm_head.weight"],
+                                    state_dict["embed_tokens.weight"]):
+        raise CheckpointError("checkpoint: state dict has an lm_head.weight that differs from "
+                              "embed_tokens.weight, but the config ties them")
+    for name in shapes:
+        if not state_dict[name].is_floating_point():
+            raise CheckpointError(f"checkpoint: state dict tensor {name} has dtype "
+                                  f"{state_dict[name].dtype}; weights must be floating point")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe, unlike torch.equal)."""
+    if a.dtype != b.dtype:
+        return False
+    as_bytes = lambda t: t.detach().cpu().contiguous().view(torch.uint8)  # noqa: E731
+    return torch.equal(as_bytes(a), as_bytes(b))
+
+
+def _common_dtype(state_dict: Mapping[str, torch.Tensor], names: Iterable[str]) -> torch.dtype:
+    names = list(names)
+    first = names[0]
+    for name in names:
+        if state_dict[name].dtype != state_dict[first].dtype:
+            raise CheckpointError(
+                f"checkpoint: state dict mixes {state_dict[first].dtype} ({first}) and "
+                f"{state_dict[name].dtype} ({name}); pass dtype= to save in one dtype")
+    return state_dict[first].dtype
+
+
+def _shards(sizes: list[tuple[str, int]], max_bytes: int | None) -> list[list[str]]:
+    """Greedy, in table order so a layer's tensors sit in neighbouring files; a tensor larger
+    than max_bytes gets a file of its own."""
+    if max_bytes is None or sum(n for _, n in sizes) <= max_bytes:
+        return [[k for k, _ in sizes]]
+    shards, current, used = [], [], 0
+    for key, n in sizes:
+        if current and used + n > max_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(key)
+        used += n
+    return shards + [current] if current else shards
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_checkpoint(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                    path: str | os.PathLike, max_shard_bytes: int | None = 5 * 2**30,
+                    dtype: torch.dtype | None = None) -> list[Path]:
+    """Write an HF checkpoint: config.json, and model.safetensors or shards plus index.
+
+    Experts are written one tensor per expert. dtype None keeps the state dict's dtype (which
+    must then be one dtype throughout). Shard sizes count tensor bytes, as HF does. Weight files
+    of an earlier save in `path` that this save does not overwrite are removed, so the directory
+    never holds two layouts. Returns the files written."""
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise UsageError(f"max_shard_bytes must be positive or None, got {max_shard_bytes}")
+    shapes = moegraph_shapes(cfg)
+    _check_state_dict(state_dict, cfg, shapes)
+    save_dtype = _common_dtype(state_dict, shapes) if dtype is None else dtype
+    _check_float_dtype(save_dtype, "save dtype")
+
+    table = hf_to_moegraph_names(cfg)
+    sizes = [(key, math.prod(slot.shape) * save_dtype.itemsize) for key, slot in table.items()]
+    shards = _shards(sizes, max_shard_bytes)
+    n = len(shards)
+    files = [SINGLE_FILE] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors"
+                                          for k in range(1, n + 1)]
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+
+    def hf_tensor(slot: Slot) -> torch.Tensor:
+        # A private contiguous CPU copy: expert slices share storage, which save_file refuses.
+        t = state_dict[slot.name].detach()[slot.index]
+        return t.to(device="cpu", dtype=save_dtype, copy=True).contiguous()
+
+    written = []
+    for file, keys in zip(files, shards):  # one shard in memory at a time
+        tensors = {key: hf_tensor(table[key]) for key in keys}
+        _write_atomically(root / file,
+                          lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        written.append(root / file)
+        del tensors
+    if n > 1:
+        index = {"metadata": {"total_size": sum(size for _, size in sizes)},
+                 "weight_map": {key: file for file, keys in zip(files, shards) for key in keys}}
+        _write_atomically(root / INDEX_FILE,
+                          lambda tmp: tmp.write_text(json.dumps(index, indent=2) + "\n"))
+        written.append(root / INDEX_FILE)
+
+    dtype_name = str(save_dtype).removeprefix("torch.")
+    config = {**cfg.to_hf_dict(), "torch_dtype": dtype_name, "dtype": dtype_name}
+    _write_atomically(root / "config.json",
+                      lambda tmp: tmp.write_text(json.dumps(config, indent=2, sort_keys=True)
+                                                 + "\n"))
+    written.append(root / "config.json")
+
+    for old in root.iterdir():
+        stale_layout = old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(old.name)
+        if stale_layout and old not in written:
+            old.unlink()
+    return written

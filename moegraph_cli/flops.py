@@ -1,0 +1,34 @@
+"""Model FLOPs of a training step (for MFU) and the device's peak rate."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .summary import param_counts
+
+# Dense bf16 tensor-core peak by device name (datasheet, FLOP/s). MFU is reported only for
+# devices listed here.
+PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "B200": 2250e12}
+
+
+def step_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
+    """6 * active matmul params * tokens (fwd + bwd) plus causal attention scores."""
+    p = param_counts(cfg)
+    matmul_params = p["active_per_token"] - p["embedding"] + (
+        p["embedding"] if cfg.tie_word_embeddings else 0)
+    tokens = batch * seq_len
+    dense = 6.0 * matmul_params * tokens
+    attn = 6.0 * cfg.num_hidden_layers * batch * seq_len * seq_len * \
+        cfg.num_attention_heads * cfg.head_dim  # QK^T and PV, causal half, x3 for fwd+bwd
+    return dense + attn
+
+
+def peak_flops(device: torch.device | None = None) -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, rate in PEAK_BF16.items():
+        if key in name:
+            return rate
+    return None

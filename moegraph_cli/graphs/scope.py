@@ -1,0 +1,205 @@
+"""One graphed scope: a forward graph, a backward graph, static buffers, contract, counters.
+
+The scope is any module whose forward takes tensors and returns a tensor or a tuple of
+tensors. Its parameters are read in place by the graphs (explicit inputs at fixed
+addresses); if a parameter's storage moves, the new values are copied into the captured
+storage before replay. The backward graph computes `autograd.grad` of the static outputs
+and adds the parameter gradients into their `.grad` buffers inside the graph, so graphed and
+eager steps accumulate identically (`.grad += g`) and no second copy of the gradients is
+kept in the pool.
+
+Returned outputs alias graph-owned storage: they are valid until this scope's forward graph
+replays again (the next step). Gradients handed back for inputs alias the backward graph's
+static buffers likewise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .contract import Contract
+from .pools import PoolGroup
+
+
+@dataclass
+class Counters:
+    captured: int = 0
+    replayed: int = 0
+    backward_replayed: int = 0
+    fallback: int = 0
+    fallback_reason: str | None = None
+    input_copies: int = 0
+
+    def fall_back(self, reason: str) -> None:
+        self.fallback += 1
+        if self.fallback_reason is None:
+            self.fallback_reason = reason
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scope: "GraphedScope", leaf_inputs: tuple, *inputs):
+        scope.load_inputs(inputs)
+        scope.fwd_graph.replay()
+        ctx.scope, ctx.leaf_inputs = scope, leaf_inputs
+        outs = tuple(o.detach() for o in scope.static_outputs)
+        ctx.mark_non_differentiable(*[o for o, s in zip(outs, scope.static_outputs)
+                                      if not s.requires_grad])
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        scope = ctx.scope
+        scope.load_grad_outputs(grad_outputs)
+        scope.bwd_graph.replay()
+        scope.counters.backward_replayed += 1
+        scope.group.pending_backward -= 1
+        scope.pending = False
+        return (None, None, *scope.input_grads(ctx.leaf_inputs))
+
+
+class GraphedScope:
+    def __init__(self, name: str, layer: int, kind: str, module: torch.nn.Module,
+                 group: PoolGroup | None):
+        self.name, self.layer, self.kind, self.module = name, layer, kind, module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.group = group if group is not None else PoolGroup(name, pooled=False)
+        self.counters = Counters()
+        self.pending = False
+        self.reset()
+
+    # -- capture ----------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop graphs and every static buffer (used by rollback and uninstall)."""
+        for g in ("fwd_graph", "bwd_graph"):
+            graph = getattr(self, g, None)
+            if graph is not None:
+                graph.reset()
+        self.fwd_graph = self.bwd_graph = None
+        self.static_inputs: list[torch.Tensor] = []
+        self.static_outputs: list[torch.Tensor] = []
+        self.static_grad_outputs: list[torch.Tensor | None] = []
+        self.static_input_grads: list[torch.Tensor | None] = []
+        self.static_params: list[torch.Tensor] = []
+        self.contract: Contract | None = None
+        self.pending = False
+
+    def warm_up(self, inputs: list[torch.Tensor], iters: int) -> None:
+        """Eager fwd+bwd on the current (side) stream: compile, autotune libraries, init."""
+        for _ in range(iters):
+            ins = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+            outs = _as_tuple(self.module(*ins))
+            diff = [o for o in outs if o.requires_grad]
+            wrt = [t for t in ins if t.requires_grad] + self.params
+            torch.autograd.grad(diff, wrt, grad_outputs=[torch.ones_like(o) for o in diff],
+                                allow_unused=True)
+            del ins, outs, diff, wrt
+
+    def capture_forward(self, inputs: list[torch.Tensor], pool) -> None:
+        """`inputs` become the static inputs (kept by reference: chained scopes pass the
+        previous scope's static output, detached, so the replay reads it in place)."""
+        self.static_inputs = list(inputs)
+        self.static_params = [p.detach() for p in self.params]
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.contract = Contract.capture(self.module, self.static_inputs, self.params)
+        self.fwd_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd_graph, pool=pool):
+            outs = _as_tuple(self.module(*self.static_inputs))
+        self.static_outputs = list(outs)
+
+    def capture_backward(self, pool, grad_output_buffers: list | None = None) -> None:
+        """`grad_output_buffers[i]`, when given, is the static grad buffer of output i (the
+        next scope's input-grad buffer, so chained backward replays need no copy)."""
+        outs = self.static_outputs
+        self.static_grad_outputs = []
+        for i, o in enumerate(outs):
+            given = grad_output_buffers[i] if grad_output_buffers else None
+            if not o.requires_grad:
+                self.static_grad_outputs.append(None)
+            elif given is not None and given.shape == o.shape and given.dtype == o.dtype:
+                self.static_grad_outputs.append(given)
+            else:
+                self.static_grad_outputs.append(torch.zeros_like(o))
+        diff = [o for o in outs if o.requires_grad]
+        grads_for = [g for g in self.static_grad_outputs if g is not None]
+        wrt_inputs = [t for t in self.static_inputs if t.requires_grad]
+        self.bwd_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.bwd_graph, pool=pool):
+            grads = torch.autograd.grad(diff, wrt_inputs + self.params, grad_outputs=grads_for,
+                                        allow_unused=True)
+            for p, g in zip(self.params, grads[len(wrt_inputs):]):
+                if g is not None:
+                    p.grad.add_(g)
+            input_grads = list(grads[:len(wrt_inputs)])
+            del grads
+        it = iter(input_grads)
+        self.static_input_grads = [next(it) if t.requires_grad else None
+                                   for t in self.static_inputs]
+        self.counters.captured += 1
+
+    # -- replay -----------------------------------------------------------------------
+    def __call__(self, *inputs):
+        reason = None
+        if self.fwd_graph is None or self.bwd_graph is None:
+            reason = "not captured"
+        elif self.group.eager_this_step is not None:
+            reason = f"pool group {self.group.name} is eager this step " \
+                     f"({self.group.eager_this_step})"
+        elif self.pending:
+            reason = "called again before its backward ran"
+        else:
+            reason = self.contract.check(self.module, inputs, self.params)
+        if reason is not None:
+            self.counters.fall_back(reason)
+            if self.group.pooled and self.group.eager_this_step is None:
+                self.group.eager_this_step = f"{self.name}: {reason}"
+            return self.eager(*inputs)
+        self.pending = True
+        self.group.pending_backward += 1
+        self.counters.replayed += 1
+        leaf = tuple(isinstance(t, torch.Tensor) and t.is_leaf for t in inputs)
+        return _Replay.apply(self, leaf, *inputs)
+
+    def eager(self, *inputs):
+        return type(self.module).forward(self.module, *inputs)
+
+    def load_inputs(self, inputs) -> None:
+        for static, t in zip(self.static_inputs, inputs):
+            if static.data_ptr() != t.data_ptr():
+                static.copy_(t)
+                self.counters.input_copies += 1
+        for static, p in zip(self.static_params, self.params):
+            if static.data_ptr() != p.data_ptr():
+                static.copy_(p.detach())
+                self.counters.input_copies += 1
+
+    def load_grad_outputs(self, grad_outputs) -> None:
+        for static, g in zip(self.static_grad_outputs, grad_outputs):
+            if static is None:
+                continue
+            if g is None:
+                static.zero_()
+            elif static.data_ptr() != g.data_ptr():
+                static.copy_(g)
+                self.counters.input_copies += 1
+
+    def input_grads(self, leaf_inputs: tuple) -> list:
+        out = []
+        for leaf, g in zip(leaf_inputs, self.static_input_grads):
+            if g is None:
+                out.append(None)
+            else:
+                # A leaf input's AccumulateGrad could keep the alias as its .grad: hand a copy.
+                out.append(g.clone() if leaf else g.detach())
+        return out
+
+    def graphs(self) -> list:
+        return [g for g in (self.fwd_graph, self.bwd_graph) if g is not None]
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)

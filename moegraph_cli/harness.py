@@ -1,0 +1,128 @@
+"""Glue between the model, the trainer and the graph engine, shared by capture, verify and
+profile: which scopes to graph, a trainer that re-arms the session every step, timed steps,
+allocator peaks and the memory cap."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Iterator
+
+import torch
+
+from .graphs import GraphSession, ScopeSpec
+from .train import Trainer
+
+# A requested scope name -> the model scope kinds it covers (a dense layer's MLP sits where
+# the MoE block would, so `moe` covers it too).
+SCOPE_KINDS = {"attn": {"attn"}, "moe": {"moe", "mlp"}}
+
+
+def scope_specs(model, scopes: list[str], layer_scopes: dict[int, list[str]] | None = None
+                ) -> list[ScopeSpec]:
+    """The model's scopes to graph, in execution order. `layer_scopes` (from a plan) picks
+    scopes per layer instead of the same `scopes` on every layer."""
+    out = []
+    for name, layer, kind, module in model.scopes():
+        wanted = scopes if layer_scopes is None else layer_scopes.get(layer, [])
+        if any(kind in SCOPE_KINDS[s] for s in wanted):
+            out.append(ScopeSpec(name, layer, kind, module))
+    return out
+
+
+def build_session(model, scopes: list[str], pool: str, plan=None) -> GraphSession:
+    if plan is not None:
+        return GraphSession(scope_specs(model, scopes, plan.layer_scopes()),
+                            groups=plan.scope_groups())
+    return GraphSession(scope_specs(model, scopes), strategy=pool)
+
+
+def capture_into(model, session: GraphSession, input_ids: torch.Tensor) -> bool:
+    """Record one forward, capture transactionally, install on success."""
+    session.record(lambda: model(input_ids, labels=input_ids))
+    ok = session.capture()
+    if ok:
+        session.install()
+    return ok
+
+
+class GraphTrainer(Trainer):
+    """A Trainer whose steps re-arm an installed graph session (one replay per step)."""
+
+    def __init__(self, model, lr: float, weight_decay: float = 0.0):
+        super().__init__(model, lr, weight_decay)
+        self.session: GraphSession | None = None
+
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.session is not None:
+            self.session.new_step()
+        return super().step(input_ids)
+
+
+def timed_steps(trainer: Trainer, batch_iter: Iterator[torch.Tensor], steps: int,
+                warmup: int = 0, on_step: Callable[[], None] | None = None) -> dict:
+    """Run warm-up then timed steps; per-step ms from CUDA events (host clock on CPU)."""
+    for _ in range(warmup):
+        trainer.step(next(batch_iter))
+        if on_step:
+            on_step()
+    cuda = torch.cuda.is_available() and next(trainer.model.parameters()).is_cuda
+    times, losses = [], []
+    for _ in range(steps):
+        ids = next(batch_iter)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            losses.append(trainer.step(ids))
+            end.record()
+            times.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            losses.append(trainer.step(ids))
+            times.append(time.perf_counter() - t0)
+        if on_step:
+            on_step()
+    if cuda:
+        torch.cuda.synchronize()
+        ms = [s.elapsed_time(e) for s, e in times]
+    else:
+        ms = [t * 1e3 for t in times]
+    return {"step_ms": statistics.median(ms), "all_ms": ms,
+            "losses": [float(x) for x in torch.stack(losses).cpu()] if losses else []}
+
+
+def reset_peaks() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peaks() -> dict:
+    if not torch.cuda.is_available():
+        return {"peak_allocated": None, "peak_reserved": None}
+    torch.cuda.synchronize()
+    s = torch.cuda.memory_stats()
+    return {"peak_allocated": int(s.get("allocated_bytes.all.peak", 0)),
+            "peak_reserved": int(s.get("reserved_bytes.all.peak", 0))}
+
+
+def set_memory_limit(limit_bytes: int | None, device: torch.device) -> dict | None:
+    """Cap this process's allocator at `limit_bytes` (emulates a smaller GPU)."""
+    if limit_bytes is None:
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, limit_bytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return {"limit_bytes": limit_bytes, "device_bytes": total, "fraction": fraction}
+
+
+def device_info() -> dict:
+    import datetime
+
+    import triton
+
+    info = {"torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(), "gpu": None}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info

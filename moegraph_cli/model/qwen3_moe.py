@@ -1,0 +1,163 @@
+"""Qwen3-MoE decoder with transformers' `Qwen3MoeForCausalLM` semantics.
+
+Layer i: `h = attn(x)` (input norm + attention + residual) then `y = ffn(h)` (post norm +
+MoE or dense MLP + residual). `layers[i].attn` and `layers[i].ffn` are the graphable scopes;
+everything else (embedding, final norm, lm head, loss) stays eager.
+
+Loss: next-token cross-entropy in fp32 over labels shifted by one (as HF's ForCausalLMLoss),
+plus `router_aux_loss_coef * aux_loss`, where aux_loss pools every MoE layer's statistics
+(HF's `load_balancing_loss_func` with `output_router_logits=True`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig, MoeConfig, load_profile, read_hf_config
+from ..moe.routing import aux_loss_from_stats
+from .attention import AttentionScope
+from .ffn import DenseMlpScope, MoeScope
+from .rope import rope_cos_sin
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.attn = AttentionScope(cfg)
+        if self.is_moe:
+            self.moe = MoeScope(cfg, moe)
+        else:
+            self.mlp = DenseMlpScope(cfg)
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The layer's second scope: `moe`, or `mlp` for a dense layer."""
+        return self.moe if self.is_moe else self.mlp
+
+    def forward(self, x_BSH: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        h_BSH = self.attn(x_BSH)
+        if self.is_moe:
+            y_BSH, stats_2E = self.ffn(h_BSH)
+            aux.append(stats_2E)
+            return y_BSH
+        return self.ffn(h_BSH)
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig | None = None):
+        super().__init__()
+        self.config = cfg.validate()
+        self.moe_config = (moe or MoeConfig()).validate()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.moe_config, i) for i in range(cfg.num_hidden_layers))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else \
+            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, moe: MoeConfig | None = None, seed: int = 0,
+                    dtype: torch.dtype | str = torch.bfloat16, device="cpu") -> "Qwen3MoeModel":
+        """Seeded random weights (HF's init: N(0, initializer_range), norms at one)."""
+        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        with torch.device("meta"):
+            model = cls(cfg, moe)
+        model.to_empty(device=device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, cfg.initializer_range, generator=gen)
+        return model.to(dtype)
+
+    @classmethod
+    def from_profile(cls, name: str = "tiny-qwen3-moe", seed: int | None = None,
+                     dtype: torch.dtype | str | None = None, device="cpu",
+                     overrides: list[str] | None = None) -> "Qwen3MoeModel":
+        prof = load_profile(name, overrides)
+        return cls.from_config(prof.model, prof.moe, prof.run.seed if seed is None else seed,
+                               dtype or prof.run.dtype, device)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
+                        device="cpu", moe: MoeConfig | None = None) -> "Qwen3MoeModel":
+        from ..checkpoint import load_state_dict
+
+        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        cfg = read_hf_config(path)
+        state = load_state_dict(path, cfg, dtype=dtype, device=device)
+        with torch.device("meta"):
+            model = cls(cfg, moe)
+        model.load_state_dict(state, assign=True, strict=True)
+        return model
+
+    # -- forward ----------------------------------------------------------------------------
+    def rope_tables(self, seq_len: int, dtype: torch.dtype, device) -> None:
+        """Give each attention scope cos/sin for this length. Tables are cached per length and
+        never freed, so a graph captured at one length keeps reading valid tables."""
+        key = (seq_len, dtype, str(device))
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_cos_sin(seq_len, self.config.head_dim,
+                                                 self.config.rope_theta, dtype, device)
+        for layer in self.layers:
+            layer.attn.rope = self._rope_cache[key]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+        x_BSH = self.embed_tokens(input_ids)
+        self.rope_tables(input_ids.shape[1], x_BSH.dtype, x_BSH.device)
+        aux_stats: list[torch.Tensor] = []
+        for layer in self.layers:
+            x_BSH = layer(x_BSH, aux_stats)
+        x_BSH = self.norm_out(x_BSH)
+        w_head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(x_BSH, w_head)
+        aux = aux_loss_from_stats(aux_stats, input_ids.numel()) if aux_stats else None
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels)
+            if aux is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux
+        return ModelOutput(logits=logits, loss=loss, aux_loss=aux)
+
+    def norm_out(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        from .norm import rms_norm
+        return rms_norm(x_BSH, self.norm.weight, self.config.rms_norm_eps)
+
+    def scopes(self) -> list[tuple[str, int, str, nn.Module]]:
+        """(name, layer, kind, module) of every graphable scope, in execution order."""
+        out = []
+        for layer in self.layers:
+            i = layer.layer_idx
+            out.append((f"layers.{i}.attn", i, "attn", layer.attn))
+            out.append((f"layers.{i}.{'moe' if layer.is_moe else 'mlp'}", i,
+                        "moe" if layer.is_moe else "mlp", layer.ffn))
+        return out
+
+
+def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
+                   ignore_index: int = -100) -> torch.Tensor:
+    """HF's ForCausalLMLoss: fp32 logits, labels shifted left by one, mean over kept tokens."""
+    shift = F.pad(labels_BS, (0, 1), value=ignore_index)[..., 1:]
+    return F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
+                           shift.reshape(-1).to(logits_BSV.device), ignore_index=ignore_index)

@@ -1,0 +1,190 @@
+"""Rendering: rich tables for people, JSON for machines (stdout), logs and errors on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from .units import fmt_bytes
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def error(message: str) -> None:
+    err.print(f"moegraph: error: {message}", markup=False)
+
+
+def log(message: str) -> None:
+    err.print(message, markup=False)
+
+
+def emit_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _table(title: str, columns: list[str]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    return t
+
+
+def _ms(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def init_result(r: dict, as_json: bool) -> None:
+    if as_json:
+        return emit_json(r)
+    out.print(f"wrote {r['profile']} ({r['params']:,} params, {r['dtype']}, seed {r['seed']}) "
+              f"to {r['dir']}: {len(r['files'])} files, {fmt_bytes(r['bytes'])}")
+
+
+def inspect_result(s: dict, as_json: bool) -> None:
+    if as_json:
+        return emit_json(s)
+    a, p, m = s["architecture"], s["params"], s["static_memory_bytes"]
+    t = _table(f"{s['name']} ({s['source']})", ["field", "value"])
+    for k, v in a.items():
+        t.add_row(k, str(v))
+    for k, v in s["run"].items():
+        t.add_row(f"run.{k}", str(v))
+    out.print(t)
+    t = _table("parameters", ["part", "count"])
+    for k, v in p.items():
+        t.add_row(k, f"{v:,}")
+    out.print(t)
+    t = _table("static memory (weights, grads, AdamW states)", ["part", "bytes"])
+    for k, v in m.items():
+        t.add_row(k, fmt_bytes(v))
+    out.print(t)
+    t = _table("layers", ["layer", "kind", "params", "shapes"])
+    for layer in s["layers"]:
+        shapes = ", ".join(f"{k.split('.')[-2] if k.endswith('weight') else k.split('.')[-1]}"
+                           f"{v}" for k, v in layer["shapes"].items())
+        t.add_row(str(layer["layer"]), layer["kind"], f"{layer['params']:,}", shapes)
+    out.print(t)
+
+
+def plan_result(r: dict, as_json: bool) -> None:
+    if as_json:
+        return emit_json(r)
+    t = _table(f"plan: {r['profile']} under {fmt_bytes(r['budget'])} ({r['source']})",
+               ["layer", "scopes", "pool", "predicted bytes"])
+    for layer in r["layers"]:
+        t.add_row(str(layer["layer"]), "+".join(layer["scopes"]) or "none",
+                  layer["pool"] or "-", fmt_bytes(layer["predicted_bytes"]))
+    out.print(t)
+    out.print(f"static {fmt_bytes(r['static_bytes'])}; eager peak {fmt_bytes(r['eager_peak'])}; "
+              f"graph pools {fmt_bytes(r['pool_bytes'])}; predicted peak "
+              f"{fmt_bytes(r['predicted_peak'])} of budget {fmt_bytes(r['budget'])}; "
+              f"saves {r['saved_ms']:.2f} ms/step")
+    for item in r.get("left_out", []):
+        out.print(f"left out: {item}", markup=False)
+    if r.get("out"):
+        out.print(f"wrote {r['out']}")
+
+
+def capture_result(r: dict, as_json: bool) -> None:
+    if as_json:
+        return emit_json(r)
+    e, g = r["eager"], r["graph"]
+    t = _table(f"capture: {r['profile']}  scopes={','.join(r['scopes'])}  pool={r['pool']}",
+               ["", "eager", "graph"])
+    t.add_row("iteration ms (median)", _ms(e["step_ms"]), _ms(g.get("step_ms")))
+    t.add_row("tokens/s", f"{e['tokens_per_s']:,.0f}",
+              "-" if g.get("tokens_per_s") is None else f"{g['tokens_per_s']:,.0f}")
+    t.add_row("throughput change", "", "-" if r.get("speedup") is None
+              else f"{(r['speedup'] - 1) * 100:+.1f}%")
+    t.add_row("peak allocated", fmt_bytes(e["peak_allocated"]), fmt_bytes(g.get("peak_allocated")))
+    t.add_row("peak reserved", fmt_bytes(e["peak_reserved"]), fmt_bytes(g.get("peak_reserved")))
+    t.add_row("MFU", f"{e['mfu'] * 100:.1f}%" if e.get("mfu") is not None else "-",
+              f"{g['mfu'] * 100:.1f}%" if g.get("mfu") is not None else "-")
+    out.print(t)
+    c = r["counters"]
+    out.print(f"captured {c['captured']}  replayed {c['replayed']}  fallback {c['fallback']}  "
+              f"input copies {c['input_copies']}")
+    if r.get("pools"):
+        t = _table("graph pools (memory_snapshot by pool id)",
+                   ["pool", "graphs", "measured", "predicted"])
+        for p in r["pools"]:
+            t.add_row(p["name"], str(p["graphs"]), fmt_bytes(p["bytes"]),
+                      fmt_bytes(p.get("predicted_bytes")))
+        out.print(t)
+    if r.get("failure"):
+        out.print(f"capture failed and rolled back: {r['failure']}", markup=False)
+    for reason in r.get("fallback_reasons", []):
+        out.print(f"fallback: {reason}", markup=False)
+
+
+def profile_result(r: dict, as_json: bool) -> None:
+    if as_json:
+        return emit_json(r)
+    t = _table(f"profile: {r['profile']}", ["scope", "eager ms", "replay ms", "saved ms",
+                                            "kernels"])
+    for s in r["scopes"]:
+        t.add_row(s["name"], _ms(s["eager_ms"]), _ms(s["replay_ms"]), _ms(s["saved_ms"]),
+                  str(s.get("kernels", "-")))
+    out.print(t)
+    out.print(f"iteration: eager {_ms(r['eager_step_ms'])} ms, graph {_ms(r['graph_step_ms'])} "
+              f"ms; MFU eager {r['mfu_eager'] * 100:.1f}%, graph {r['mfu_graph'] * 100:.1f}%; "
+              f"kernels/step eager {r['kernels_eager']}, graph {r['kernels_graph']}")
+    for k in ("out", "plot", "calibration"):
+        if r.get(k):
+            out.print(f"wrote {r[k]}")
+
+
+def verify_result(r: dict, as_json: bool) -> None:
+    if as_json:
+        return emit_json(r)
+    t = _table(f"verify: {r['profile']}  lr={r['lr']}  scopes={','.join(r['scopes'])}",
+               ["step", "eager loss", "graph loss", "equal"])
+    for i, (a, b) in enumerate(zip(r["eager_losses"], r["graph_losses"])):
+        t.add_row(str(i), f"{a:.9g}", f"{b:.9g}", "yes" if a == b else f"{abs(a - b):.3g}")
+    out.print(t)
+    out.print(f"gradient max-abs difference: {r['grad_max_abs']:.3g} "
+              f"(largest in {r['grad_worst']})")
+    if r.get("reference"):
+        out.print(f"logits vs {r['reference']['impl']}: max-abs {r['reference']['max_abs']:.3g}")
+    c = r.get("counters", {})
+    if c:
+        out.print(f"graph side: captured {c['captured']}  replayed {c['replayed']}  "
+                  f"fallback {c['fallback']}")
+    out.print(("PASS: " if r["passed"] else "FAIL: ") + r["verdict"], markup=False)
+
+
+class Progress:
+    """A rich progress bar on stderr (a no-op when disabled, e.g. under --json)."""
+
+    def __init__(self, enabled: bool, total: int, description: str):
+        self.enabled, self.total = enabled, total
+        self._bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, \
+                TextColumn, TimeElapsedColumn
+            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TimeElapsedColumn(), console=err,
+                                     transient=True)
+            self._task = self._bar.add_task(description, total=total)
+
+    def __enter__(self):
+        if self._bar is not None:
+            self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def advance(self, description: str | None = None) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1,
+                             **({"description": description} if description else {}))
+
+    def describe(self, description: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=description)

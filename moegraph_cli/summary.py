@@ -1,0 +1,97 @@
+"""What `moegraph inspect` reports: architecture, parameter counts, per-layer shapes, and the
+static memory of a training step (weights, grads, AdamW states)."""
+
+from __future__ import annotations
+
+from .config import ModelConfig, Profile
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def layer_shapes(cfg: ModelConfig, layer_idx: int) -> dict[str, list[int]]:
+    """moegraph parameter names (relative to the layer) and shapes."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    qd, kvd = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {
+        "attn.input_norm.weight": [h], "attn.q_proj.weight": [qd, h],
+        "attn.k_proj.weight": [kvd, h], "attn.v_proj.weight": [kvd, h],
+        "attn.o_proj.weight": [h, qd], "attn.q_norm.weight": [hd], "attn.k_norm.weight": [hd],
+    }
+    if cfg.is_moe_layer(layer_idx):
+        e, f = cfg.num_experts, cfg.moe_intermediate_size
+        shapes.update({"moe.post_norm.weight": [h], "moe.router.weight": [e, h],
+                       "moe.w_gate_up": [e, 2 * f, h], "moe.w_down": [e, h, f]})
+    else:
+        i = cfg.intermediate_size
+        shapes.update({"mlp.post_norm.weight": [h], "mlp.gate_proj.weight": [i, h],
+                       "mlp.up_proj.weight": [i, h], "mlp.down_proj.weight": [h, i]})
+    return shapes
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Total and per-token active parameter counts, split by part."""
+    embed = cfg.vocab_size * cfg.hidden_size
+    head = 0 if cfg.tie_word_embeddings else embed
+    attn = moe = dense = experts = active_experts = 0
+    for i in range(cfg.num_hidden_layers):
+        for name, shape in layer_shapes(cfg, i).items():
+            n = _numel(shape)
+            if name.startswith("attn."):
+                attn += n
+            elif name.startswith("moe."):
+                moe += n
+                if name in ("moe.w_gate_up", "moe.w_down"):
+                    experts += n
+                    active_experts += n // cfg.num_experts * cfg.num_experts_per_tok
+            else:
+                dense += n
+    total = embed + head + attn + moe + dense + cfg.hidden_size
+    active = total - experts + active_experts
+    return {"total": total, "active_per_token": active, "embedding": embed, "lm_head": head,
+            "attention": attn, "moe": moe, "experts": experts, "dense_mlp": dense,
+            "final_norm": cfg.hidden_size}
+
+
+def static_memory(cfg: ModelConfig, dtype: str) -> dict[str, int]:
+    """Bytes that live for the whole run: weights, grads, AdamW exp_avg and exp_avg_sq.
+
+    AdamW keeps its two states in the parameter dtype (torch's AdamW, fused or not)."""
+    n = param_counts(cfg)["total"]
+    b = DTYPE_BYTES[dtype]
+    out = {"weights": n * b, "grads": n * b, "optimizer": 2 * n * b}
+    out["total"] = sum(out.values())
+    return out
+
+
+def summarize(prof: Profile, source: str) -> dict:
+    cfg = prof.model
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        shapes = layer_shapes(cfg, i)
+        layers.append({"layer": i, "kind": "moe" if cfg.is_moe_layer(i) else "dense",
+                       "params": sum(_numel(s) for s in shapes.values()), "shapes": shapes})
+    return {
+        "source": source,
+        "name": prof.name,
+        "architecture": {
+            "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim, "experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
+            "moe_intermediate": cfg.moe_intermediate_size, "vocab": cfg.vocab_size,
+            "norm_topk_prob": cfg.norm_topk_prob, "mlp_only_layers": cfg.mlp_only_layers,
+            "decoder_sparse_step": cfg.decoder_sparse_step, "rope_theta": cfg.rope_theta,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+        },
+        "run": {"batch": prof.run.batch, "seq_len": prof.run.seq_len, "dtype": prof.run.dtype,
+                "moe_mode": prof.moe.mode, "capacity_factor": prof.moe.capacity},
+        "params": param_counts(cfg),
+        "static_memory_bytes": static_memory(cfg, prof.run.dtype),
+        "layers": layers,
+    }
