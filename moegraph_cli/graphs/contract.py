@@ -88,6 +88,13 @@ class Contract:
         )
 
     def check(self, module: torch.nn.Module, inputs: tuple, params: list) -> str | None:
+        if module.training != self.training:
+            return f"training mode {module.training} != captured {self.training}"
+        if torch.is_grad_enabled() != self.grad_enabled:
+            return "grad mode disabled (captured with grad enabled)"
+        device_type = self.inputs[0].device.type if self.inputs else "cuda"
+        if _autocast_state(device_type) != self.autocast:
+            return f"autocast {_autocast_state(device_type)} != captured {self.autocast}"
         if len(inputs) != len(self.inputs):
             return f"{len(inputs)} inputs != captured {len(self.inputs)}"
         for i, (spec, t) in enumerate(zip(self.inputs, inputs)):
@@ -96,13 +103,6 @@ class Contract:
             bad = spec.mismatch(t)
             if bad:
                 return f"input {i} {bad}"
-        if module.training != self.training:
-            return f"training mode {module.training} != captured {self.training}"
-        if torch.is_grad_enabled() != self.grad_enabled:
-            return "grad mode disabled (captured with grad enabled)"
-        device_type = self.inputs[0].device.type if self.inputs else "cuda"
-        if _autocast_state(device_type) != self.autocast:
-            return f"autocast {_autocast_state(device_type)} != captured {self.autocast}"
         state = module_state(module)
         if len(state) != len(self.state) or any(
                 a.data_ptr() != b.data_ptr() for a, b in zip(state, self.state)):

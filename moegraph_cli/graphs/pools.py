@@ -38,9 +38,9 @@ class PoolGroup:
         self.eager_this_step = None
         self.pending_backward = 0
 
-    def make_handle(self) -> None:
+    def make_handle(self, backend) -> None:
         if self.pooled and self.handle is None:
-            self.handle = torch.cuda.graph_pool_handle()
+            self.handle = backend.pool_handle()
 
     def release(self) -> None:
         self.handle = None
@@ -65,11 +65,6 @@ def capture_order(num_scopes: int) -> list[tuple[str, int]]:
     """("fwd", i) for i in execution order, then ("bwd", i) in reverse: replay order."""
     return [("fwd", i) for i in range(num_scopes)] + \
         [("bwd", i) for i in reversed(range(num_scopes))]
-
-
-def pool_id_of(graph: "torch.cuda.CUDAGraph") -> tuple:
-    """The allocator's id of the pool a captured graph allocates from."""
-    return tuple(graph.pool())
 
 
 def pool_bytes(pool_ids: set[tuple]) -> dict[tuple, dict]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .backend import default_backend
 from .contract import Contract
 from .pools import PoolGroup
 
@@ -30,7 +31,8 @@ class Counters:
     backward_replayed: int = 0
     fallback: int = 0
     fallback_reason: str | None = None
-    input_copies: int = 0
+    input_copies: int = 0  # forward inputs (and moved parameters) copied into static buffers
+    grad_copies: int = 0  # backward grad-outputs copied into static buffers
 
     def fall_back(self, reason: str) -> None:
         self.fallback += 1
@@ -62,8 +64,9 @@ class _Replay(torch.autograd.Function):
 
 class GraphedScope:
     def __init__(self, name: str, layer: int, kind: str, module: torch.nn.Module,
-                 group: PoolGroup | None):
+                 group: PoolGroup | None, backend=None):
         self.name, self.layer, self.kind, self.module = name, layer, kind, module
+        self.backend = backend if backend is not None else default_backend()
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.group = group if group is not None else PoolGroup(name, pooled=False)
         self.counters = Counters()
@@ -78,6 +81,7 @@ class GraphedScope:
             if graph is not None:
                 graph.reset()
         self.fwd_graph = self.bwd_graph = None
+        self._autograd_outputs: tuple = ()
         self.static_inputs: list[torch.Tensor] = []
         self.static_outputs: list[torch.Tensor] = []
         self.static_grad_outputs: list[torch.Tensor | None] = []
@@ -90,7 +94,7 @@ class GraphedScope:
         """Eager fwd+bwd on the current (side) stream: compile, autotune libraries, init."""
         for _ in range(iters):
             ins = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-            outs = _as_tuple(self.module(*ins))
+            outs = _as_tuple(self.eager(*ins))
             diff = [o for o in outs if o.requires_grad]
             wrt = [t for t in ins if t.requires_grad] + self.params
             torch.autograd.grad(diff, wrt, grad_outputs=[torch.ones_like(o) for o in diff],
@@ -106,17 +110,21 @@ class GraphedScope:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.contract = Contract.capture(self.module, self.static_inputs, self.params)
-        self.fwd_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd_graph, pool=pool):
-            outs = _as_tuple(self.module(*self.static_inputs))
+
+        def forward_body():
+            with torch.enable_grad():
+                outs = _as_tuple(self.eager(*self.static_inputs))
+            self._autograd_outputs = outs
+            return outs
+
+        self.fwd_graph, outs = self.backend.capture(forward_body, pool)
         self.static_outputs = list(outs)
 
     def capture_backward(self, pool, grad_output_buffers: list | None = None) -> None:
         """`grad_output_buffers[i]`, when given, is the static grad buffer of output i (the
         next scope's input-grad buffer, so chained backward replays need no copy)."""
-        outs = self.static_outputs
         self.static_grad_outputs = []
-        for i, o in enumerate(outs):
+        for i, o in enumerate(self.static_outputs):
             given = grad_output_buffers[i] if grad_output_buffers else None
             if not o.requires_grad:
                 self.static_grad_outputs.append(None)
@@ -124,21 +132,21 @@ class GraphedScope:
                 self.static_grad_outputs.append(given)
             else:
                 self.static_grad_outputs.append(torch.zeros_like(o))
-        diff = [o for o in outs if o.requires_grad]
         grads_for = [g for g in self.static_grad_outputs if g is not None]
         wrt_inputs = [t for t in self.static_inputs if t.requires_grad]
-        self.bwd_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.bwd_graph, pool=pool):
+
+        def backward_body():
+            diff = [o for o in self._autograd_outputs if o.requires_grad]
             grads = torch.autograd.grad(diff, wrt_inputs + self.params, grad_outputs=grads_for,
                                         allow_unused=True)
             for p, g in zip(self.params, grads[len(wrt_inputs):]):
                 if g is not None:
                     p.grad.add_(g)
-            input_grads = list(grads[:len(wrt_inputs)])
-            del grads
-        it = iter(input_grads)
-        self.static_input_grads = [next(it) if t.requires_grad else None
-                                   for t in self.static_inputs]
+            it = iter(grads[:len(wrt_inputs)])
+            return tuple(next(it) if t.requires_grad else None for t in self.static_inputs)
+
+        self.bwd_graph, input_grads = self.backend.capture(backward_body, pool)
+        self.static_input_grads = list(input_grads)
         self.counters.captured += 1
 
     # -- replay -----------------------------------------------------------------------
@@ -185,7 +193,7 @@ class GraphedScope:
                 static.zero_()
             elif static.data_ptr() != g.data_ptr():
                 static.copy_(g)
-                self.counters.input_copies += 1
+                self.counters.grad_copies += 1
 
     def input_grads(self, leaf_inputs: tuple) -> list:
         out = []

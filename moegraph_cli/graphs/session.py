@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from .pools import PoolGroup, capture_order, group_names, pool_bytes, pool_id_of
+from .backend import default_backend
+from .pools import PoolGroup, capture_order, group_names, pool_bytes
 from .scope import GraphedScope, _as_tuple
 
 
@@ -35,7 +36,9 @@ class ScopeSpec:
 
 class GraphSession:
     def __init__(self, specs: list[ScopeSpec], strategy: str = "shared",
-                 groups: dict[str, str | None] | None = None, warmup_iters: int = 3):
+                 groups: dict[str, str | None] | None = None, warmup_iters: int = 3,
+                 backend=None):
+        self.backend = backend if backend is not None else default_backend()
         gnames = group_names([s.name for s in specs], [s.kind for s in specs], strategy, groups)
         self.strategy = strategy if groups is None else "plan"
         self.warmup_iters = warmup_iters
@@ -45,7 +48,8 @@ class GraphSession:
             group = None
             if gname is not None:
                 group = self.groups.setdefault(gname, PoolGroup(gname, pooled=True))
-            scope = GraphedScope(spec.name, spec.layer, spec.kind, spec.module, group)
+            scope = GraphedScope(spec.name, spec.layer, spec.kind, spec.module, group,
+                                 self.backend)
             if group is not None:
                 group.members.append(scope)
             self.scopes.append(scope)
@@ -105,16 +109,13 @@ class GraphSession:
             raise RuntimeError("record() a forward before capture()")
         scope, phase = None, "warm-up"
         try:
-            torch.cuda.synchronize()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            self.backend.synchronize()
+            with self.backend.side_stream():
                 for i, scope in enumerate(self.scopes):
                     scope.warm_up(self.sample_inputs[i], self.warmup_iters)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
+            self.backend.synchronize()
             for g in self.groups.values():
-                g.make_handle()
+                g.make_handle(self.backend)
             for phase, i in capture_order(len(self.scopes)):
                 scope = self.scopes[i]
                 pool = scope.group.handle if scope.group.pooled else None
@@ -122,7 +123,7 @@ class GraphSession:
                     scope.capture_forward(self._static_inputs(i), pool)
                 else:
                     scope.capture_backward(pool, self._grad_output_buffers(i))
-            torch.cuda.synchronize()
+            self.backend.synchronize()
             self._drop_chained_samples()
         except Exception as e:  # noqa: BLE001 - any failure rolls the whole capture back
             where = f"{phase} of {scope.name} (layer {scope.layer})" if scope else phase
@@ -164,8 +165,8 @@ class GraphSession:
         self.uninstall()
         self.failure = reason
         gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        self.backend.synchronize()
+        self.backend.empty_cache()
 
     # -- 3. install ---------------------------------------------------------------------
     def install(self) -> None:
@@ -194,14 +195,15 @@ class GraphSession:
     def stats(self) -> dict:
         per = []
         tot = {"captured": 0, "replayed": 0, "backward_replayed": 0, "fallback": 0,
-               "input_copies": 0}
+               "input_copies": 0, "grad_copies": 0}
         for s in self.scopes:
             c = s.counters
             row = {"name": s.name, "layer": s.layer, "kind": s.kind,
                    "pool": s.group.name if s.group.pooled else "private",
                    "captured": c.captured, "replayed": c.replayed,
                    "backward_replayed": c.backward_replayed, "fallback": c.fallback,
-                   "fallback_reason": c.fallback_reason, "input_copies": c.input_copies}
+                   "fallback_reason": c.fallback_reason, "input_copies": c.input_copies,
+                   "grad_copies": c.grad_copies}
             per.append(row)
             for k in tot:
                 tot[k] += row[k]
@@ -218,7 +220,10 @@ class GraphSession:
                 for tag, gr in (("fwd", s.fwd_graph), ("bwd", s.bwd_graph)):
                     if gr is not None:
                         named.append((f"{s.name}.{tag}", [gr]))
-        ids = {name: {pool_id_of(gr) for gr in graphs} for name, graphs in named}
+        ids = {name: {self.backend.pool_id(gr) for gr in graphs} for name, graphs in named}
+        if self.backend.name != "cuda":
+            return [{"name": name, "graphs": len(graphs), "bytes": None, "allocated": None,
+                     "pool_ids": []} for name, graphs in named if graphs]
         sizes = pool_bytes({pid for v in ids.values() for pid in v})
         out = []
         for name, graphs in named:

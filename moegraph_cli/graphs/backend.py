@@ -1,0 +1,98 @@
+"""How a graph is captured and replayed: CUDA graphs, or an emulation for CPU tests.
+
+`CudaGraphs` is the real thing: `capture(body, pool)` records body's kernels into a
+torch.cuda.CUDAGraph allocating from `pool`, and replay re-launches them on the same addresses.
+
+`EmulatedGraphs` runs on any device: capture runs body once and keeps its results as the
+static buffers; replay runs body again and copies the new results into those buffers. It
+keeps the engine's observable contract (static buffers, in-place chaining, counters, pool
+groups, fallback, ordering) so all of that logic is tested on the CPU; it does not emulate
+memory pools or kernel launches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+
+class CudaGraphs:
+    name = "cuda"
+
+    def capture(self, body: Callable[[], tuple], pool) -> tuple[object, tuple]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            result = body()
+        return graph, result
+
+    def pool_handle(self):
+        return torch.cuda.graph_pool_handle()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def side_stream(self):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+
+        @contextlib.contextmanager
+        def ctx():
+            with torch.cuda.stream(side):
+                yield
+            torch.cuda.current_stream().wait_stream(side)
+        return ctx()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    @staticmethod
+    def pool_id(graph) -> tuple:
+        return tuple(graph.pool())
+
+
+class _EmulatedGraph:
+    def __init__(self, body: Callable[[], tuple], result: tuple):
+        self.body, self.result = body, result
+
+    def replay(self) -> None:
+        new = self.body()
+        with torch.no_grad():
+            for static, value in zip(self.result, new):
+                if static is not None and value is not None:
+                    static.detach().copy_(value.detach())
+
+    def reset(self) -> None:
+        self.body, self.result = None, None
+
+    def pool(self):
+        return (0, id(self))
+
+
+class EmulatedGraphs:
+    name = "emulated"
+
+    def capture(self, body: Callable[[], tuple], pool) -> tuple[object, tuple]:
+        result = body()
+        return _EmulatedGraph(body, result), result
+
+    def pool_handle(self):
+        return object()
+
+    def synchronize(self) -> None:
+        pass
+
+    def side_stream(self):
+        return contextlib.nullcontext()
+
+    def empty_cache(self) -> None:
+        pass
+
+    @staticmethod
+    def pool_id(graph) -> tuple:
+        return graph.pool()
+
+
+def default_backend():
+    return CudaGraphs() if torch.cuda.is_available() else EmulatedGraphs()
