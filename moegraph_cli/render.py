@@ -73,16 +73,26 @@ def inspect_result(s: dict, as_json: bool) -> None:
 def plan_result(r: dict, as_json: bool) -> None:
     if as_json:
         return emit_json(r)
-    t = _table(f"plan: {r['profile']} under {fmt_bytes(r['budget'])} ({r['source']})",
+    budget = fmt_bytes(r["budget"]) + (f" ({r['budget_note']})" if r.get("budget_note") not in
+                                       (None, "given") else "")
+    t = _table(f"plan: {r['profile']} under {budget}; pool {r['pool'] or 'none'}",
                ["layer", "scopes", "pool", "predicted bytes"])
     for layer in r["layers"]:
         t.add_row(str(layer["layer"]), "+".join(layer["scopes"]) or "none",
                   layer["pool"] or "-", fmt_bytes(layer["predicted_bytes"]))
     out.print(t)
-    out.print(f"static {fmt_bytes(r['static_bytes'])}; eager peak {fmt_bytes(r['eager_peak'])}; "
-              f"graph pools {fmt_bytes(r['pool_bytes'])}; predicted peak "
-              f"{fmt_bytes(r['predicted_peak'])} of budget {fmt_bytes(r['budget'])}; "
-              f"saves {r['saved_ms']:.2f} ms/step")
+    if r.get("pools"):
+        t = _table("graph pools (predicted)", ["pool", "bytes"])
+        for name, size in r["pools"].items():
+            t.add_row(name, fmt_bytes(size))
+        out.print(t)
+    out.print(f"static {fmt_bytes(r['static_bytes'])} + graph pools {fmt_bytes(r['pool_bytes'])} "
+              f"+ eager peak {fmt_bytes(r['eager_peak'])} (at {r.get('worst_moment', '?')}) = "
+              f"predicted peak {fmt_bytes(r['predicted_peak'])} of budget {fmt_bytes(r['budget'])}"
+              f"; saves {r['saved_ms']:.2f} ms/step", markup=False)
+    out.print(f"memory: {r.get('memory_model', '?')}, fragmentation "
+              f"{r.get('fragmentation', 0) * 100:.0f}%; savings: {r.get('savings_source', '?')}",
+              markup=False)
     for item in r.get("left_out", []):
         out.print(f"left out: {item}", markup=False)
     if r.get("out"):
@@ -124,15 +134,34 @@ def capture_result(r: dict, as_json: bool) -> None:
 def profile_result(r: dict, as_json: bool) -> None:
     if as_json:
         return emit_json(r)
-    t = _table(f"profile: {r['profile']}", ["scope", "eager ms", "replay ms", "saved ms",
-                                            "kernels"])
+    t = _table(f"profile: {r['profile']}  pool={r.get('pool')}",
+               ["scope", "eager ms", "replay ms", "saved ms", "launches eager"])
     for s in r["scopes"]:
         t.add_row(s["name"], _ms(s["eager_ms"]), _ms(s["replay_ms"]), _ms(s["saved_ms"]),
-                  str(s.get("kernels", "-")))
+                  "-" if s.get("kernels") is None else str(s["kernels"]))
     out.print(t)
-    out.print(f"iteration: eager {_ms(r['eager_step_ms'])} ms, graph {_ms(r['graph_step_ms'])} "
-              f"ms; MFU eager {r['mfu_eager'] * 100:.1f}%, graph {r['mfu_graph'] * 100:.1f}%; "
-              f"kernels/step eager {r['kernels_eager']}, graph {r['kernels_graph']}")
+
+    def pct(x):
+        return "-" if x is None else f"{x * 100:.1f}%"
+
+    t = _table("step", ["", "eager", "graph"])
+    t.add_row("iteration ms (median)", _ms(r["eager_step_ms"]), _ms(r["graph_step_ms"]))
+    t.add_row("MFU", pct(r.get("mfu_eager")), pct(r.get("mfu_graph")))
+    t.add_row("launches / step", str(r.get("kernels_eager", "-")), str(r.get("kernels_graph", "-")))
+    t.add_row("GPU kernels / step", str(r.get("gpu_kernels_eager", "-")),
+              str(r.get("gpu_kernels_graph", "-")))
+    t.add_row("peak reserved", fmt_bytes(r.get("eager_peak_reserved")),
+              fmt_bytes(r.get("graph_peak_reserved")))
+    out.print(t)
+    if r.get("pools"):
+        out.print("graph pools: " + ", ".join(f"{p['name']} {fmt_bytes(p['bytes'])}"
+                                              for p in r["pools"]), markup=False)
+    nv = r.get("nvml") or {}
+    if nv.get("note"):
+        out.print(f"nvml: {nv['note']}", markup=False)
+    elif nv.get("samples"):
+        out.print(f"nvml: {nv['samples']} samples, max used {fmt_bytes(nv.get('max_used_bytes'))}"
+                  f", mean utilisation {nv.get('mean_util_pct', 0):.0f}%", markup=False)
     for k in ("out", "plot", "calibration"):
         if r.get(k):
             out.print(f"wrote {r[k]}")

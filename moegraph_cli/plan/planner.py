@@ -1,7 +1,262 @@
-"""Placeholder until its issue lands."""
+"""`moegraph plan`: per layer, which scopes to capture, and how graphs share pools, under a
+memory budget, maximising the time saved. Nothing is captured here (plan/ never captures).
 
-from ..errors import MoegraphError
+Search. Each layer chooses none, attn, moe or attn+moe; a pool strategy (shared, per_scope,
+per_entry) applies to all. Scopes of one kind cost the same memory on every layer and the
+predicted peak hardly depends on which layers are chosen, only on how many and on chaining
+(consecutive captured scopes share their I/O buffers). So a candidate is a pair (a, m): attn
+captured on layers [0, a) and the MoE/MLP scope on layers [0, m), contiguous, which maximises
+chaining. Every pair (restricted by the requested scopes) and every allowed strategy is
+simulated (memory.StepModel.predict); the answer is the candidate saving the most time whose
+predicted peak fits the budget, ties broken by the smaller peak, then by strategy order
+(shared, per_scope, per_entry). The candidate set does not depend on the budget, so more
+budget never saves less time, and a plan never predicts over its budget.
+
+Savings per scope: measured by `moegraph profile` (eager minus replay ms, per scope name,
+else the mean of its kind), or estimated as LAUNCHES[kind] * LAUNCH_US: a graph replay removes
+the host cost of launching each kernel.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..capability import check_capturable
+from ..errors import UsageError
+from ..runspec import RunSpec
+from ..units import fmt_bytes, parse_bytes
+from .calibration import lookup
+from .memory import (FRAGMENTATION, KIND_OF_SCOPE, STRATEGIES, Prediction, ScopeRef, StepModel,
+                     describe_key, run_key, same_run, step_model)
+from .planfile import Plan, write_plan
+
+AUTO_FRACTION = 0.9  # --budget auto: this share of the device's total memory
+# Host cost of one kernel launch that a replay removes (cudaLaunchKernel / cuLaunchKernel plus
+# PyTorch's dispatch of the op is more; 4-6 us is the launch alone on H100/H200-class hosts).
+LAUNCH_US = 5.0
+# Eager kernels of one scope's forward + backward. attn and mlp: non-view ATen ops counted
+# with a TorchDispatchMode on the tiny profile (attn 122). moe: its norm/router/aux ops (~57)
+# plus the permute-free path (RouteList build ~30 ops, 3 forward and ~10 backward launches).
+LAUNCHES = {"attn": 120, "moe": 100, "mlp": 50}
 
 
-def plan_command(spec, **kwargs):
-    raise MoegraphError("plan is not built yet: planner (issue: planner and profile)")
+@dataclass
+class Savings:
+    per_name: dict[str, float]
+    per_kind: dict[str, float]
+    source: str
+
+    def of(self, ref: ScopeRef) -> float:
+        if ref.name in self.per_name:
+            return self.per_name[ref.name]
+        return self.per_kind.get(ref.kind, LAUNCHES.get(ref.kind, 0) * LAUNCH_US / 1e3)
+
+
+def estimated_savings() -> Savings:
+    return Savings({}, {k: n * LAUNCH_US / 1e3 for k, n in LAUNCHES.items()},
+                   f"estimate ({LAUNCH_US:g} us per kernel launch removed)")
+
+
+def load_savings(path: str | Path, key: dict) -> Savings:
+    """The per-scope savings file `moegraph profile --out` writes (JSON)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"savings {path}: no such file (write one with `moegraph profile "
+                         "--out FILE` on a GPU)")
+    try:
+        raw = yaml.safe_load(path.read_text())  # JSON is YAML
+    except yaml.YAMLError:
+        raise UsageError(f"savings {path}: not valid JSON") from None
+    if not isinstance(raw, dict) or raw.get("moegraph_savings") != 1 \
+            or not isinstance(raw.get("scopes"), dict):
+        raise UsageError(f"savings {path}: not a moegraph savings file (expected "
+                         "moegraph_savings: 1 and per-scope entries)")
+    if not same_run(raw.get("key") or {}, key):
+        raise UsageError(f"savings {path} was measured for {describe_key(raw.get('key') or {})}"
+                         f", not this run {describe_key(key)}; profile this run again")
+    per_name = {}
+    for name, s in raw["scopes"].items():
+        if not isinstance(s, dict) or not isinstance(s.get("saved_ms"), (int, float)):
+            raise UsageError(f"savings {path}: scope {name} has no numeric saved_ms")
+        per_name[name] = float(s["saved_ms"])
+    per_kind = {k: float(v["saved_ms"]) for k, v in (raw.get("per_kind") or {}).items()
+                if isinstance(v, dict) and isinstance(v.get("saved_ms"), (int, float))}
+    return Savings(per_name, per_kind, f"measured ({path})")
+
+
+def parse_budget(budget: str | int) -> tuple[int, str]:
+    if isinstance(budget, int):
+        return budget, "given"
+    if str(budget).strip().lower() == "auto":
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError("--budget auto reads the GPU's memory and there is no CUDA device "
+                             "here; give a size, e.g. --budget 80GiB")
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return int(total * AUTO_FRACTION), \
+            f"auto: {AUTO_FRACTION:.0%} of {torch.cuda.get_device_name()} ({fmt_bytes(total)})"
+    return parse_bytes(budget, "--budget"), "given"
+
+
+def arrangement(scopes: list[ScopeRef], n_attn: int, n_ffn: int) -> tuple[bool, ...]:
+    """attn captured on layers [0, n_attn), the MoE/MLP scope on layers [0, n_ffn)."""
+    return tuple(ref.layer < (n_attn if ref.kind == "attn" else n_ffn) for ref in scopes)
+
+
+@dataclass
+class Choice:
+    prediction: Prediction
+    saved_ms: float
+    n_attn: int
+    n_ffn: int
+
+
+def choose(model: StepModel, budget: int, scopes: list[str], strategies: list[str],
+           savings: Savings) -> Choice | None:
+    """The best candidate under `budget` (None when even capturing nothing does not fit)."""
+    layers = model.prof.model.num_hidden_layers
+    attn_opts = range(layers + 1) if "attn" in scopes else [0]
+    ffn_opts = range(layers + 1) if "moe" in scopes else [0]
+    gain = [savings.of(ref) for ref in model.scopes]
+    cands = []
+    for a in attn_opts:
+        for m in ffn_opts:
+            cap = arrangement(model.scopes, a, m)
+            cands.append((sum(g for g, c in zip(gain, cap) if c), a, m, cap))
+    cands.sort(key=lambda c: -c[0])
+    best: Choice | None = None
+    for saved, a, m, cap in cands:
+        if best is not None and saved < best.saved_ms - 1e-9:
+            break
+        for strategy in (strategies if any(cap) else strategies[:1]):
+            p = model.predict(cap, strategy)
+            if p.peak > budget:
+                continue
+            if best is None or saved > best.saved_ms + 1e-9 or p.peak < best.prediction.peak:
+                best = Choice(p, saved, a, m)
+    return best
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    parts, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            parts.append(f"{start}" if start == layer else f"{start}-{layer}")
+            start = None
+    return ",".join(parts)
+
+
+def left_out(model: StepModel, best: Choice, budget: int, scopes: list[str], strategy: str,
+             savings: Savings) -> list[str]:
+    """What was not captured and why, one line per scope kind."""
+    out = []
+    cap = best.prediction.captured
+    for kind in ("attn", "moe", "mlp"):
+        refs = [(i, r) for i, r in enumerate(model.scopes) if r.kind == kind and not cap[i]]
+        if not refs:
+            continue
+        where = f"{kind} on layer{'s' if len(refs) > 1 else ''} " \
+            f"{_layer_ranges([r.layer for _, r in refs])}"
+        if KIND_OF_SCOPE[kind] not in scopes:
+            out.append(f"{where}: not requested (scopes: {','.join(scopes) or 'none'})")
+            continue
+        a, m = best.n_attn, best.n_ffn
+        nxt = arrangement(model.scopes, a + 1, m) if kind == "attn" else \
+            arrangement(model.scopes, a, m + 1)
+        first = refs[0][1]
+        if savings.of(first) <= 0:
+            out.append(f"{where}: saves nothing ({savings.of(first):.3f} ms measured)")
+            continue
+        peak = min(model.predict(nxt, s).peak for s in ([strategy] if strategy else STRATEGIES))
+        out.append(f"{where}: capturing {first.name} too raises the predicted peak to "
+                   f"{fmt_bytes(peak)}, over the budget {fmt_bytes(budget)}")
+    return out
+
+
+def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
+                 out: str | None = None, savings: str | None = None,
+                 calibration: str | None = None,
+                 fragmentation: float = FRAGMENTATION) -> dict:
+    prof = spec.profile
+    if pool not in ("auto", *STRATEGIES):
+        raise UsageError(f"--pool {pool!r} must be auto, shared, per_scope or per_entry")
+    if pool == "auto":
+        strategies = ["per_entry"] if prof.run.dynamic_shapes else list(STRATEGIES)
+    else:
+        strategies = [pool]
+    check_capturable(prof, strategies[0])
+    budget_bytes, budget_note = parse_budget(budget)
+    key = run_key(prof)
+    entry, memory_source = lookup(calibration, key)
+    model = step_model(prof, "cuda", entry, fragmentation)
+    gains = load_savings(savings, key) if savings else estimated_savings()
+    scopes = list(prof.run.scopes)
+
+    static = model.static["total"]
+    eager_only = model.predict((False,) * len(model.scopes), strategies[0]).peak
+    if budget_bytes < static:
+        raise UsageError(f"budget {fmt_bytes(budget_bytes)} is below the static memory of "
+                         f"{prof.name} (weights, grads and AdamW states: {fmt_bytes(static)}); "
+                         f"the smallest budget that fits a step is {fmt_bytes(eager_only)}")
+    best = choose(model, budget_bytes, scopes, strategies, gains)
+    if best is None:
+        raise UsageError(f"budget {fmt_bytes(budget_bytes)} does not fit one training step of "
+                         f"{prof.name} even with nothing captured; the smallest budget that "
+                         f"fits is {fmt_bytes(eager_only)}")
+    p = best.prediction
+    strategy = p.strategy if any(p.captured) else None
+    groups_of = _groups(model, p.captured, strategy)
+    layers = []
+    for layer in range(prof.model.num_hidden_layers):
+        refs = [(i, r) for i, r in enumerate(model.scopes) if r.layer == layer]
+        chosen = [r for i, r in refs if p.captured[i]]
+        layers.append({
+            "layer": layer,
+            "scopes": [KIND_OF_SCOPE[r.kind] for r in chosen],
+            "pool": strategy if chosen else None,
+            "groups": {r.name: groups_of[r.name] for r in chosen},
+            "predicted_bytes": sum(p.scope_bytes.get(r.name, 0) for r in chosen),
+        })
+    candidates = []
+    for s in strategies:
+        c = choose(model, budget_bytes, scopes, [s], gains)
+        candidates.append({"pool": s, "saved_ms": c.saved_ms if c else None,
+                           "predicted_peak": c.prediction.peak if c else None})
+    result = {
+        "profile": prof.name, "source": spec.source, "key": key,
+        "memory_model": memory_source, "savings_source": gains.source,
+        "budget": budget_bytes, "budget_note": budget_note, "pool_request": pool,
+        "pool": strategy, "scopes_requested": scopes, "layers": layers,
+        "static_bytes": static, "eager_peak": p.eager_peak, "pool_bytes": p.pool_bytes,
+        "io_bytes": p.io_bytes, "pools": p.pools, "predicted_peak": p.peak,
+        "graph_phase_peak": p.graph_phase_peak, "eager_phase_peak": p.eager_phase_peak,
+        "worst_moment": p.worst_moment, "fragmentation": model.fragmentation,
+        "saved_ms": best.saved_ms, "candidates": candidates,
+        "left_out": left_out(model, best, budget_bytes, scopes, strategy or strategies[0],
+                             gains),
+        "scope_memory": {k: v.to_dict() for k, v in model.kinds.items()
+                         if any(r.kind == k for r in model.scopes)},
+        "out": out,
+    }
+    if out:
+        extra = {k: result[k] for k in ("static_bytes", "eager_peak", "pool_bytes", "io_bytes",
+                                        "graph_phase_peak", "eager_phase_peak", "saved_ms",
+                                        "memory_model", "savings_source", "fragmentation",
+                                        "left_out")}
+        write_plan(out, Plan(key=key, pool=strategy or "none", layers=layers, pools=p.pools,
+                             predicted_peak=p.peak, budget=budget_bytes, extra=extra))
+    return json.loads(json.dumps(result, default=str))
+
+
+def _groups(model: StepModel, captured, strategy: str | None) -> dict[str, str | None]:
+    out = {}
+    for ref, cap in zip(model.scopes, captured):
+        if cap:
+            out[ref.name] = {"shared": "shared", "per_scope": ref.kind}.get(strategy)
+    return out

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device-machine session: install, then the named stages, each under its own time limit,
+# logs and JSON under $OUT. Usage: bash benchmarks/run_gpu.sh STAGE[:SECONDS] ...
+# Stages: tests, kernels_tests, graphs_tests, eager, experts, experts_sweep, capture, planner, profile
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WORK=/tmp/mg_work; mkdir -p "$WORK"   # everything lands here; $OUT gets one archive (file limit)
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1 || { cat "$WORK/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$WORK/gpu.txt" 2>&1
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >> "$WORK/gpu.txt"
+cat "$WORK/gpu.txt"
+for arg in "$@"; do
+  stage=${arg%%:*}; limit=${arg#*:}; [ "$limit" = "$arg" ] && limit=300
+  start=$(date +%s)
+  case $stage in
+    tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu" ;;
+    kernels_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_experts_cuda.py" ;;
+    graphs_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_graphs_cuda.py" ;;
+    eager) cmd="python3 benchmarks/eager_baseline.py --out $WORK/eager_baseline.json" ;;
+    experts) cmd="python3 benchmarks/moe_experts.py --check --out $WORK/moe_experts.json" ;;
+    experts_sweep) cmd="python3 benchmarks/moe_experts.py --check --sweep --quick --out $WORK/moe_experts_sweep.json" ;;
+    capture) cmd="python3 benchmarks/capture.py --out $WORK/capture.json" ;;
+    planner) cmd="python3 benchmarks/planner.py --out $WORK/planner.json" ;;
+    profile) cmd="python3 -m moegraph_cli.app profile --plot $WORK/profile_tiny.png --out $WORK/savings_tiny.yaml --json" ;;
+    *) echo "unknown stage $stage"; continue ;;
+  esac
+  echo "=== $stage (limit ${limit}s): $cmd"
+  timeout -k 10 "$limit" bash -c "$cmd" > "$WORK/$stage.log" 2>&1
+  rc=$?
+  echo "=== $stage rc=$rc in $(( $(date +%s) - start ))s"
+  tail -n 25 "$WORK/$stage.log"
+  tar czf "$OUT/run.tgz" -C "$WORK" .
+done

@@ -1,0 +1,52 @@
+"""Gather-combine: each token pulls its routes' rows and sums them (no atomics, no scatter).
+
+out[t] = sum over j = 0..k-1 of src[token_slots[t, j]], accumulated in fp32 in j order, then
+rounded to out's dtype.
+
+Layout contract: src [S, H] in slot order (Y2 in the forward, dX per route in the backward),
+row-major with a contiguous last dimension; token_slots [T, k] int32 from the RouteList, -1 for
+a dropped route (skipped: contributes nothing, its row is never read). out [T, H]; every
+element is written. Only real slots are read, so padding and dead blocks of src may hold
+anything. Row index * row stride is formed in int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gather_combine_kernel(
+    src_ptr, token_slots_ptr, out_ptr,
+    num_tokens, hidden, stride_src, stride_out,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = offs_t < num_tokens
+    h_ok = offs_h < hidden
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(token_slots_ptr + offs_t * TOP_K + j, mask=t_ok, other=-1)
+        row = tl.load(src_ptr + slot.to(tl.int64)[:, None] * stride_src + offs_h[None, :],
+                      mask=(slot >= 0)[:, None] & h_ok[None, :], other=0.0)
+        acc += row.to(tl.float32)
+    out_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_out + offs_h[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & h_ok[None, :])
+
+
+def gather_combine(src_SH: torch.Tensor, token_slots_TK: torch.Tensor,
+                   out_TH: torch.Tensor) -> torch.Tensor:
+    num_tokens, top_k = token_slots_TK.shape
+    hidden = src_SH.shape[1]
+    if src_SH.is_cuda:
+        block_t, block_h, warps = 4, min(1024, triton.next_power_of_2(hidden)), 4
+    else:
+        block_t, block_h, warps = 16, min(64, triton.next_power_of_2(hidden)), 1
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
+    _gather_combine_kernel[grid](
+        src_SH, token_slots_TK, out_TH, num_tokens, hidden, src_SH.stride(0), out_TH.stride(0),
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
+    return out_TH

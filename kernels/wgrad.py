@@ -1,0 +1,94 @@
+"""Expert-centric weight gradients: one program owns one dW tile, no atomics.
+
+dW[e, m, n] = sum over the real slots s of expert e of L[row_L(s), m] * R[row_R(s), n]
+
+Layout contract (S slots, E experts, see route_align.py):
+- L [rows_L, M] and R [rows_R, N], row-major with a contiguous last dimension. Each operand is
+  read either in slot order (row = s; an [S, *] slot tensor) or gathered (row =
+  slot_token[s]; a [T, *] token tensor) -- `gather_l` / `gather_r`.
+- dW [E, M, N] in the output's dtype, fp32 accumulation. The contraction runs over slots
+  expert_starts[e] + [0, expert_counts[e]) -- read from the device, so no host sync and no
+  padding slot is ever touched (the slot loads past the count are masked to zero).
+  An empty expert's tiles get exact zeros.
+- Uses: dW_down[e] [H, F] = sum_s dOut[slot_token[s]]^T A[s]  (L = dOut gathered, R = A);
+        dW_gate_up[e] [2F, H] = sum_s dY1[s]^T X[slot_token[s]]  (L = dY1, R = X gathered).
+- Programs run expert-major; within an expert, tiles are grouped GROUP_M rows at a time so the
+  expert's L and R rows are reused from L2. The sum order is fixed: bitwise repeatable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gather_gemm import GemmConfig, grouped_pid
+from .route_align import RouteList
+
+
+def wgrad_config(n: int, device: torch.device) -> GemmConfig:
+    if device.type != "cuda":
+        return GemmConfig(32, 32, 16, 4, 4, 1)
+    # 128 x 128 x 64, 4 stages: 32 KB/stage, 128 KB of shared memory; short K loops
+    # (an expert's slot count) favour a moderate tile.
+    block_n = 128 if n % 128 == 0 or n > 256 else 64
+    return GemmConfig(128, block_n, 64, 8, 8 if block_n == 128 else 4, 4)
+
+
+@triton.jit
+def _expert_wgrad_kernel(
+    l_ptr, r_ptr, dw_ptr, slot_token_ptr, expert_start_ptr, expert_count_ptr,
+    M, N, stride_l, stride_r, stride_dwe, stride_dwm,
+    GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    expert = pid // (tiles_m * tiles_n)
+    pid_m, pid_n = grouped_pid(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+    start = tl.load(expert_start_ptr + expert)
+    count = tl.load(expert_count_ptr + expert)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, count, BLOCK_K):
+        k_ok = offs_k + k0 < count
+        slots = start + k0 + offs_k
+        if GATHER_L:
+            row_l = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
+        else:
+            row_l = slots
+        if GATHER_R:
+            row_r = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
+        else:
+            row_r = slots
+        # L^T tile [BLOCK_M, BLOCK_K]: column k of it is row row_l[k] of L.
+        lt = tl.load(l_ptr + row_l.to(tl.int64)[None, :] * stride_l + offs_m[:, None],
+                     mask=k_ok[None, :] & m_ok[:, None], other=0.0)
+        r = tl.load(r_ptr + row_r.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(lt, r, acc)
+
+    dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
+               + offs_m.to(tl.int64)[:, None] * stride_dwm + offs_n[None, :])
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gather_r: bool,
+                 cfg: GemmConfig | None = None):
+    """Fill out_EMN [E, M, N] (every element) with the per-expert sums above."""
+    num_experts, m, n = out_EMN.shape
+    cfg = cfg or wgrad_config(n, l_rows.device)
+    grid = (num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _expert_wgrad_kernel[grid](
+        l_rows, r_rows, out_EMN, routes.slot_token, routes.expert_starts, routes.expert_counts,
+        m, n, l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0), out_EMN.stride(1),
+        GATHER_L=gather_l, GATHER_R=gather_r, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out_EMN

@@ -1,0 +1,183 @@
+"""The permute-free expert path: an autograd.Function over the Triton kernels in kernels/.
+
+Same signature and semantics as moe/reference.reference_moe (see its docstring for how every
+value is rounded). No permuted copy of the tokens is ever written: the GEMMs gather rows by the
+RouteList's slot_token while loading their A tiles, and each token pulls its routes' rows back
+in the combine. Forward and backward are sync-free with static shapes (every grid and buffer
+size follows from T, k, E, H, F and the slot block size), so the whole thing can be captured
+in a CUDA graph and replayed with new routing.
+
+Saved for backward: x, the top-k weights, both weights, Y1 [S, 2F] (the only F-scale tensor)
+and the RouteList. A is recomputed from Y1 by the dA kernel's epilogue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import NamedTuple
+
+import torch
+
+from moegraph_kernels.combine import gather_combine
+from moegraph_kernels.gather_gemm import (GemmConfig, dact_config, dact_swiglu, dp_tiles,
+                                          fc1_config, fc1_swiglu, route_block_m, slot_gemm,
+                                          slot_gemm_config)
+from moegraph_kernels.route_align import RouteList, build_route_list
+from moegraph_kernels.wgrad import expert_wgrad, wgrad_config
+
+from .routing import capacity_keep_TK, expert_capacity
+
+# Tests set this (through `poisoned_scratch`) to allocate every output and scratch buffer
+# full of NaN instead of uninitialised, so a kernel that reads a row it must not, or leaves a
+# real element unwritten, shows up as a non-finite result.
+POISON_SCRATCH = False
+
+
+@contextlib.contextmanager
+def poisoned_scratch():
+    global POISON_SCRATCH
+    before, POISON_SCRATCH = POISON_SCRATCH, True
+    try:
+        yield
+    finally:
+        POISON_SCRATCH = before
+
+
+def _scratch(shape, dtype, device) -> torch.Tensor:
+    if POISON_SCRATCH:
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class TileConfigs(NamedTuple):
+    """Every kernel's tile config, picked on the host from static shapes (no autotune)."""
+    route_block: int
+    fc1: GemmConfig
+    fc2: GemmConfig
+    dact: GemmConfig
+    dx: GemmConfig
+    wgrad_down: GemmConfig
+    wgrad_gate_up: GemmConfig
+
+
+def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
+                 device: torch.device) -> TileConfigs:
+    block = route_block_m(num_routes, num_experts, device)
+    return TileConfigs(
+        route_block=block,
+        fc1=fc1_config(ffn, block, device),
+        fc2=slot_gemm_config(hidden, block, device),
+        dact=dact_config(ffn, block, device),
+        dx=slot_gemm_config(hidden, block, device),
+        wgrad_down=wgrad_config(ffn, device),
+        wgrad_gate_up=wgrad_config(hidden, device),
+    )
+
+
+def build_routes(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
+                 block_m: int, capacity_factor: float | None) -> RouteList:
+    """The RouteList for one call: dropless, or capacity with moe/routing's keep rule."""
+    if capacity_factor is None:
+        return build_route_list(topk_ids_TK, num_experts, block_m)
+    num_tokens, top_k = topk_ids_TK.shape
+    cap = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+    keep_TK = capacity_keep_TK(topk_ids_TK, topk_weights_TK, num_experts, cap)
+    return build_route_list(topk_ids_TK, num_experts, block_m, keep_TK, cap)
+
+
+class PermuteFreeMoE(torch.autograd.Function):
+    """Outputs (y_TH, num_dropped [1] int32); differentiable in x, weights and both w."""
+
+    @staticmethod
+    def forward(ctx, x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
+                capacity_factor, configs):
+        num_tokens, hidden = x_TH.shape
+        num_experts, two_f, _ = w_gate_up_EFH.shape
+        ffn = two_f // 2
+        dev = x_TH.device
+        cfg = configs or tile_configs(topk_ids_TK.numel(), num_experts, hidden, ffn, dev)
+        x_TH = x_TH.contiguous()
+        w_gate_up_EFH = w_gate_up_EFH.contiguous()
+        w_down_EHF = w_down_EHF.contiguous()
+        weights_N = topk_weights_TK.reshape(-1).contiguous()
+        routes = build_routes(topk_ids_TK, topk_weights_TK, num_experts, cfg.route_block,
+                              capacity_factor)
+        S = routes.num_slots
+
+        y1 = _scratch((S, two_f), x_TH.dtype, dev)
+        act = _scratch((S, ffn), x_TH.dtype, dev)
+        fc1_swiglu(x_TH, w_gate_up_EFH, weights_N, routes, y1, act, cfg.fc1)
+        y2 = slot_gemm(act, w_down_EHF, routes, _scratch((S, hidden), x_TH.dtype, dev),
+                       w_nk=True, cfg=cfg.fc2)
+        del act
+        out = gather_combine(y2, routes.token_slots, _scratch((num_tokens, hidden), x_TH.dtype,
+                                                              dev))
+        ctx.save_for_backward(x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, *routes[:-1])
+        ctx.block_m = routes.block_m
+        ctx.configs = cfg
+        ctx.weights_shape = topk_weights_TK.shape
+        ctx.mark_non_differentiable(routes.num_dropped)
+        return out, routes.num_dropped
+
+    @staticmethod
+    def backward(ctx, dout_TH, _grad_dropped):
+        x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, *route_tensors = ctx.saved_tensors
+        routes = RouteList(*route_tensors, block_m=ctx.block_m)
+        cfg = ctx.configs
+        num_tokens, hidden = x_TH.shape
+        num_experts, two_f, _ = w_gate_up_EFH.shape
+        ffn = two_f // 2
+        S = routes.num_slots
+        dev = x_TH.device
+        need_x, _, need_w, need_gu, need_down = ctx.needs_input_grad[:5]
+        dout_TH = dout_TH.contiguous()
+
+        dy1 = _scratch((S, two_f), x_TH.dtype, dev)
+        act = _scratch((S, ffn), x_TH.dtype, dev)
+        dp_part = _scratch((S, dp_tiles(ffn, cfg.dact)), torch.float32, dev)
+        dact_swiglu(dout_TH, w_down_EHF, y1, weights_N, routes, dy1, act, dp_part, cfg.dact)
+
+        dw_down = None
+        if need_down:
+            dw_down = expert_wgrad(dout_TH, act, routes,
+                                   _scratch(w_down_EHF.shape, w_down_EHF.dtype, dev),
+                                   gather_l=True, gather_r=False, cfg=cfg.wgrad_down)
+        del act
+        dweights = None
+        if need_w:
+            # dp of a slot: its partial sums over F-tiles, reduced in a fixed order.
+            dp_S = dp_part.sum(dim=1)
+            slots = routes.token_slots.reshape(-1).long()
+            dweights = torch.where(slots >= 0, dp_S[slots.clamp(min=0)], 0.0)
+            dweights = dweights.to(weights_N.dtype).view(ctx.weights_shape)
+        del dp_part
+        dx = None
+        if need_x:
+            dx_S = slot_gemm(dy1, w_gate_up_EFH, routes, _scratch((S, hidden), x_TH.dtype, dev),
+                             w_nk=False, cfg=cfg.dx)
+            dx = gather_combine(dx_S, routes.token_slots,
+                                _scratch((num_tokens, hidden), x_TH.dtype, dev))
+            del dx_S
+        dw_gate_up = None
+        if need_gu:
+            dw_gate_up = expert_wgrad(dy1, x_TH, routes,
+                                      _scratch(w_gate_up_EFH.shape, w_gate_up_EFH.dtype, dev),
+                                      gather_l=False, gather_r=True, cfg=cfg.wgrad_gate_up)
+        return dx, None, dweights, dw_gate_up, dw_down, None, None
+
+
+def permute_free_moe_with_drops(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
+                                capacity_factor=None, configs: TileConfigs | None = None):
+    """(y_TH, num_dropped [1] int32 on the device); `configs` overrides the tile choice."""
+    return PermuteFreeMoE.apply(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
+                                capacity_factor, configs)
+
+
+def permute_free_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
+                     topk_weights_TK: torch.Tensor, w_gate_up_EFH: torch.Tensor,
+                     w_down_EHF: torch.Tensor, capacity_factor: float | None = None
+                     ) -> torch.Tensor:
+    """y_TH = sum_j p_tj * expert_{e_tj}(x_t): reference_moe's contract on the Triton kernels."""
+    return permute_free_moe_with_drops(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH,
+                                       w_down_EHF, capacity_factor)[0]

@@ -1,0 +1,477 @@
+"""Memory model of one training step, and the simulation that predicts its peak for a choice of
+captured scopes and pool grouping. It reads configs (and, when given, a GPU calibration); it
+never allocates anything.
+
+Notation: b bytes per element of the model dtype, T = batch * seq_len tokens, H hidden, V vocab,
+nh / nkv heads, D head_dim, Q = nh*D, KV = nkv*D, E experts, k top-k, F moe_intermediate,
+I dense intermediate, S expert slots (dropless (cdiv(T*k, BM) + E)*BM, capacity
+E*round_up(C, BM), BM the slot block), N = T*k routes.
+
+Per scope (one of attn, moe, mlp) the model counts, in bytes:
+- saved: tensors autograd keeps from forward to backward (parameters and the rope tables
+  excluded; the scope's input is excluded too and flagged by `saves_input`, which holds in
+  fp32 where `x.float()` returns `x` itself). Exact for the reference path; the formulas are
+  checked against `saved_tensors_hooks` in tests/plan/test_memory.py.
+- out / in_grad: the scope's output(s) and its input's gradient ([B,S,H]; moe adds its
+  [2,E] fp32 router statistics).
+- fwd_transient: the forward's peak above saved + out (short-lived temporaries).
+- bwd_transient: the backward's peak above what was live before it. It includes the input
+  gradient and every parameter gradient of the scope: a graphed backward returns them all from
+  one autograd.grad before `p.grad.add_(g)` (for moe the expert grads [E,2F,H] and [E,H,F]).
+Transients are upper estimates from the largest temporaries alive together; a calibration
+(measured on the GPU by `moegraph profile --calibrate`) replaces all of these numbers.
+
+A step (see `StepModel.predict`):
+- static: weights, grads (persistent `.grad` buffers) and AdamW's two states, all in the
+  parameter dtype, plus the rope tables; RUNTIME_BYTES for cuBLAS workspaces and the like.
+- graph pools, reserved for the whole run. The simulation replays the capture order
+  (forward graphs in execution order, backward graphs in reverse) over each pool's members
+  and takes the largest live sum: for `shared` that is about sum(saved + out + in_grad) plus
+  the largest transient; `per_scope` does that per scope kind; `per_entry` gives every graph
+  its own pool, so each scope costs saved + out + fwd_transient (forward pool) plus
+  bwd_transient (backward pool): the pools sum every transient.
+- I/O buffers outside the pools: a captured scope whose input is not the previous captured
+  scope's output keeps a static input [B,S,H]; one whose output does not feed a captured scope
+  keeps a static grad-output buffer (moe's router statistics always do).
+- eager live bytes at the worst moment of the step: eager scopes' saved activations and
+  transients, the residual stream, and the loss: logits [T,V] in the model dtype (held by the
+  model output through backward), their fp32 upcast, log-softmax's fp32 output (saved), its
+  gradient, and the lm-head / embedding weight-gradient temporaries [V,H].
+- allocator slack: `fragmentation` (default FRAGMENTATION) times the pools and the eager
+  dynamic bytes, pools rounded up to 2 MiB segments.
+The capture command first runs eager steps, so the prediction is the larger of that eager
+phase and the graph phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..config import Profile
+from ..summary import DTYPE_BYTES, layer_shapes, static_memory
+
+FRAGMENTATION = 0.05  # caching-allocator slack on dynamic bytes (pools and eager activations)
+RUNTIME_BYTES = 64 * 2**20  # cuBLAS workspaces (one per stream used) and small buffers
+SEGMENT = 2 * 2**20  # the caching allocator's large-segment granularity
+STRATEGIES = ("shared", "per_scope", "per_entry")
+KIND_OF_SCOPE = {"attn": "attn", "moe": "moe", "mlp": "moe"}  # model kind -> requested scope
+
+
+def route_block(num_routes: int, num_experts: int, device_type: str) -> int:
+    """Slot block BM; mirrors kernels/gather_gemm.route_block_m (a test keeps them equal)."""
+    if device_type != "cuda":
+        return 16
+    return 128 if num_routes >= 256 * num_experts else 64
+
+
+def expert_slots(num_tokens: int, top_k: int, num_experts: int, block: int,
+                 capacity: int | None) -> int:
+    """S of kernels/route_align.num_slots: padded slot count for a dispatch mode."""
+    if capacity is None:
+        return (-(-num_tokens * top_k // block) + num_experts) * block
+    return num_experts * (-(-capacity // block) * block)
+
+
+def model_hash(prof: Profile) -> str:
+    """Identity of the model architecture (every config.json field), 16 hex digits."""
+    text = json.dumps(dataclasses.asdict(prof.model), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_key(prof: Profile) -> dict:
+    """What a plan, a calibration or a savings file is valid for."""
+    return {"profile": prof.name, "batch": prof.run.batch, "seq_len": prof.run.seq_len,
+            "dtype": prof.run.dtype, "moe_mode": prof.moe.mode,
+            "capacity_factor": prof.moe.capacity, "model_hash": model_hash(prof)}
+
+
+def same_run(a: dict, b: dict) -> bool:
+    """Keys equal except the profile name (a checkpoint's name is its directory)."""
+    fields = ("batch", "seq_len", "dtype", "moe_mode", "capacity_factor", "model_hash")
+    return all(a.get(f) == b.get(f) for f in fields)
+
+
+def describe_key(key: dict) -> str:
+    mode = key.get("moe_mode")
+    if key.get("capacity_factor") is not None:
+        mode = f"{mode} {key['capacity_factor']}"
+    return (f"{key.get('profile')} (batch {key.get('batch')}, seq_len {key.get('seq_len')}, "
+            f"{key.get('dtype')}, {mode}, model {key.get('model_hash')})")
+
+
+@dataclass
+class ScopeMemory:
+    kind: str
+    saved: int
+    out: int
+    in_grad: int
+    fwd_transient: int
+    bwd_transient: int
+    param_grads: int
+    saves_input: bool = False
+    source: str = "analytical"
+    # Measured private pools of one scope (per_entry), from a calibration: (fwd, bwd).
+    private_pools: tuple[int, int] | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Prediction:
+    strategy: str
+    captured: tuple[bool, ...]
+    peak: int  # max(graph phase, eager phase)
+    graph_phase_peak: int
+    eager_phase_peak: int
+    static_bytes: int
+    eager_peak: int  # graph phase: bytes beyond static and pools at the worst moment
+    pool_bytes: int
+    pools: dict[str, int]
+    io_bytes: int
+    scope_bytes: dict[str, int]  # pool (and I/O) bytes attributable to each captured scope
+    worst_moment: str
+
+
+@dataclass
+class ScopeRef:
+    name: str
+    layer: int
+    kind: str  # attn | moe | mlp
+
+
+@dataclass
+class StepModel:
+    """Memory of one step of a profile's run; `predict` simulates a capture choice."""
+
+    prof: Profile
+    scopes: list[ScopeRef]
+    kinds: dict[str, ScopeMemory]
+    static: dict[str, int]
+    stream: int  # one residual-stream tensor [B,S,H]
+    tail: dict[str, int]
+    fragmentation: float = FRAGMENTATION
+    runtime: int = RUNTIME_BYTES
+    eager_offset: int = 0  # calibration: measured minus modelled eager peak (allocator, libs)
+    pool_offsets: dict[str, int] = field(default_factory=dict)  # calibration, per strategy
+    source: str = "analytical"
+
+    # -- the simulation ---------------------------------------------------------------
+    def predict(self, captured: Sequence[bool], strategy: str) -> Prediction:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown pool strategy {strategy!r}")
+        captured = tuple(bool(c) for c in captured)
+        if len(captured) != len(self.scopes):
+            raise ValueError(f"{len(captured)} choices for {len(self.scopes)} scopes")
+        frag = 1.0 + self.fragmentation
+        pools, scope_bytes = self._pools(captured, strategy)
+        io = self._io_buffers(captured, scope_bytes)
+        eager_dyn, where = self._eager_dynamic(captured)
+        static = self.static["total"]
+        pool_total = sum(pools.values())
+        eager = int(eager_dyn * frag) + io + self.runtime + self.eager_offset
+        graph_phase = static + pool_total + eager
+        base_dyn, _ = self._eager_dynamic((False,) * len(self.scopes))
+        eager_phase = static + int(base_dyn * frag) + self.runtime + self.eager_offset
+        return Prediction(strategy=strategy, captured=captured,
+                          peak=max(graph_phase, eager_phase),
+                          graph_phase_peak=graph_phase, eager_phase_peak=eager_phase,
+                          static_bytes=static, eager_peak=eager, pool_bytes=pool_total,
+                          pools=pools, io_bytes=io, scope_bytes=scope_bytes,
+                          worst_moment=where)
+
+    def _pools(self, captured, strategy) -> tuple[dict[str, int], dict[str, int]]:
+        frag = 1.0 + self.fragmentation
+        pools: dict[str, int] = {}
+        scope_bytes: dict[str, int] = {}
+        members: dict[str, list[int]] = {}
+        for i, (ref, cap) in enumerate(zip(self.scopes, captured)):
+            if not cap:
+                continue
+            m = self.kinds[ref.kind]
+            if strategy == "per_entry":
+                fwd, bwd = _private_pools(m, frag)
+                pools[f"{ref.name}.fwd"], pools[f"{ref.name}.bwd"] = fwd, bwd
+                scope_bytes[ref.name] = fwd + bwd
+            else:
+                members.setdefault("shared" if strategy == "shared" else ref.kind, []).append(i)
+                scope_bytes[ref.name] = m.saved + m.out + m.in_grad
+        for name, idx in members.items():
+            live = peak = 0
+            for i in idx:  # forward graphs in execution order
+                m = self.kinds[self.scopes[i].kind]
+                peak = max(peak, live + m.saved + m.out + m.fwd_transient)
+                live += m.saved + m.out
+            for i in reversed(idx):  # backward graphs in reverse
+                m = self.kinds[self.scopes[i].kind]
+                peak = max(peak, live + m.bwd_transient)
+                live += m.in_grad - m.saved
+            offset = self.pool_offsets.get(strategy, 0)
+            pools[name] = _round_up(int(peak * frag) + max(offset, 0), SEGMENT)
+        return pools, scope_bytes
+
+    def _io_buffers(self, captured, scope_bytes: dict[str, int]) -> int:
+        """Static inputs / grad-outputs of captured scopes not chained to a captured
+        neighbour: allocated outside the pools, kept for the run."""
+        total = 0
+        for i, (ref, cap) in enumerate(zip(self.scopes, captured)):
+            if not cap:
+                continue
+            extra = 0
+            if i == 0 or not captured[i - 1]:
+                extra += self.stream  # static input
+            if i + 1 == len(captured) or not captured[i + 1]:
+                extra += self.stream  # static grad-output
+            if ref.kind == "moe":
+                extra += 8 * self.prof.model.num_experts  # router statistics' grad-output
+            scope_bytes[ref.name] = scope_bytes.get(ref.name, 0) + extra
+            total += extra
+        return total
+
+    def _eager_dynamic(self, captured) -> tuple[int, str]:
+        """Peak live bytes in the default pool over one step (static excluded)."""
+        t = self.tail
+        live = peak = self.stream  # embedding output: the residual stream
+        where = "embedding"
+        kept: list[int] = []
+        prev_eager = True
+        for ref, cap in zip(self.scopes, captured):
+            if cap:
+                kept.append(0)
+                prev_eager = False
+                continue
+            m = self.kinds[ref.kind]
+            top = live + m.saved + m.out + m.fwd_transient
+            if top > peak:
+                peak, where = top, f"forward of {ref.name}"
+            keep = m.saved + (self.stream if m.saves_input and prev_eager else 0)
+            live += keep
+            kept.append(keep)
+            prev_eager = True
+        # final norm, lm head, loss: logits stay alive (the model output) through backward
+        live += t["norm_saved"] + t["logits"]
+        if live + t["loss_fwd_transient"] > peak:
+            peak, where = live + t["loss_fwd_transient"], "loss forward"
+        live += t["loss_saved"]
+        if live + t["loss_bwd_transient"] > peak:
+            peak, where = live + t["loss_bwd_transient"], "loss backward"
+        live -= t["norm_saved"] + t["loss_saved"]
+        if live + t["head_bwd_transient"] > peak:
+            peak, where = live + t["head_bwd_transient"], "lm-head backward"
+        for ref, cap, keep in zip(reversed(self.scopes), reversed(captured), reversed(kept)):
+            if cap:
+                continue
+            m = self.kinds[ref.kind]
+            if live + m.bwd_transient > peak:
+                peak, where = live + m.bwd_transient, f"backward of {ref.name}"
+            live -= keep
+        if live + t["embed_bwd_transient"] > peak:
+            peak, where = live + t["embed_bwd_transient"], "embedding backward"
+        return peak, where
+
+
+def _private_pools(m: ScopeMemory, frag: float) -> tuple[int, int]:
+    if m.private_pools is not None:
+        return m.private_pools
+    fwd = _round_up(int((m.saved + m.out + m.fwd_transient) * frag), SEGMENT)
+    bwd = _round_up(int(m.bwd_transient * frag), SEGMENT)
+    return fwd, bwd
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+# -- analytical formulas ------------------------------------------------------------------
+def rms_saved(rows: int, width: int, b: int, input_external: bool) -> int:
+    """moegraph's rms_norm saves x.float() (the input itself in fp32), rsqrt [rows, 1] fp32
+    and the normalised value in the model dtype (the weight multiply's other operand)."""
+    upcast = 0 if (b == 4 and input_external) else 4 * rows * width
+    return upcast + 4 * rows + b * rows * width
+
+
+def attn_memory(prof: Profile) -> ScopeMemory:
+    c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    H, D, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    Q = nh * D
+    saved = (rms_saved(T, H, b, True) + b * T * H  # input norm; its output y (q/k/v input)
+             + rms_saved(T * nh, D, b, False)  # q norm (over q_proj's output)
+             + rms_saved(T * nkv, D, b, False)  # k norm
+             + 4 * b * T * Q  # SDPA's q, k and v (GQA-expanded to nh heads) and its output
+             + 4 * T * nh)  # SDPA's logsumexp
+    params = _param_bytes(prof, 0, "attn.")
+    wide = max(H, Q)
+    fwd = (4 + b) * T * wide  # rms_norm's fp32 temporaries next to the projection output
+    bwd = (b * T * H + params + b * T * Q
+           + max(3 * b * T * Q + 4 * T * Q + 4 * T * nh, 12 * T * wide))
+    return ScopeMemory("attn", saved, b * T * H, b * T * H, fwd, bwd, params,
+                       saves_input=b == 4)
+
+
+def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
+    c, run, b = prof.model, prof.run, DTYPE_BYTES[prof.run.dtype]
+    T, H, E, k, F = run.batch * run.seq_len, c.hidden_size, c.num_experts, \
+        c.num_experts_per_tok, c.moe_intermediate_size
+    N = T * k
+    capacity = None
+    if prof.moe.capacity is not None:
+        capacity = max(1, math.ceil(N * prof.moe.capacity / E))
+    saved = rms_saved(T, H, b, True) + b * T * H  # post norm; x_TH (router and experts)
+    saved += 4 * T * E + 8 * N  # softmax probs (fp32), top-k indices (int64)
+    if c.norm_topk_prob:
+        saved += 4 * N + 4 * T  # renormalisation: fp32 weights and their sum
+    if capacity is not None:
+        saved += 8 * N  # capacity_keep_TK's sort indices
+    backend = prof.moe.backend
+    if backend == "auto":
+        backend = "permute_free" if device_type == "cuda" else "reference"
+    params = _param_bytes(prof, _first_moe_layer(prof), "moe.")
+    if backend == "reference":
+        routes = N if capacity is None else min(N, E * capacity)
+        # per route: nonzero's (token, j) int64, gathered x, 8F of fp32 gate/up (or Y1 in
+        # fp32), silu(gate) and silu*up in fp32, the fp32 probability, the act in b.
+        saved += routes * (16 + b * H + 16 * F + 4 + b * F)
+        fwd = 2 * b * N * H + 8 * T * H  # two [T,k,H] index_put copies, fp32 combine
+        bwd = b * T * H + params + 2 * b * N * H + 12 * T * H
+    else:
+        S = expert_slots(T, k, E, route_block(N, E, device_type), capacity)
+        block = route_block(N, E, device_type)
+        saved += (0 if b == 4 else b * N)  # top-k weights in the model dtype
+        saved += b * S * 2 * F  # Y1, the only F-scale tensor kept
+        saved += 8 * (S + 1) + 4 * (S // block) + 4 * N + 8 * E + 8  # the RouteList
+        fwd = max((4 + b) * T * H, b * S * F + b * S * H) + b * T * H  # act + Y2; combine out
+        dp_part = 4 * S * max(1, F // 128)
+        bwd = (b * T * H + params + b * S * 2 * F  # dx, all grads, dY1
+               + max(b * S * F + dp_part, b * S * H) + b * T * H + 4 * T * E)
+    return ScopeMemory("moe", saved, b * T * H + 8 * E, b * T * H, fwd, bwd, params,
+                       saves_input=b == 4)
+
+
+def mlp_memory(prof: Profile) -> ScopeMemory:
+    c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    H, inter = c.hidden_size, c.intermediate_size
+    saved = rms_saved(T, H, b, True) + b * T * H + 4 * b * T * inter  # g, silu(g), u, g*u
+    dense = [i for i in range(c.num_hidden_layers) if not c.is_moe_layer(i)]
+    params = _param_bytes(prof, dense[0], "mlp.") if dense else 0
+    fwd = (4 + b) * T * H + b * T * inter
+    bwd = b * T * H + params + 3 * b * T * inter + 12 * T * H
+    return ScopeMemory("mlp", saved, b * T * H, b * T * H, fwd, bwd, params,
+                       saves_input=b == 4)
+
+
+def tail_memory(prof: Profile) -> dict[str, int]:
+    """Final norm, lm head and the fp32 cross-entropy (HF's ForCausalLMLoss)."""
+    c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    H, V = c.hidden_size, c.vocab_size
+    upcast = 4 * T * V if b < 4 else 0  # logits.float(); a no-op in fp32
+    return {
+        "norm_saved": rms_saved(T, H, b, True) + b * T * H + 8 * T,  # + lm-head input, labels
+        "logits": b * T * V,
+        "loss_fwd_transient": upcast + 4 * T * V,  # upcast and log-softmax output together
+        "loss_saved": 4 * T * V,  # log-softmax output
+        # nll's dense fp32 gradient and log-softmax's input gradient, beside its saved output
+        "loss_bwd_transient": 8 * T * V,
+        # the logits' gradient (fp32 then cast, or one fp32), dX and the lm-head's dW
+        "head_bwd_transient": max(4 * T * V + (b * T * V if b < 4 else 0),
+                                  b * T * V + b * T * H + b * V * H),
+        "embed_bwd_transient": b * V * H + 4 * T * H + 32 * T,  # dense grad, fp32 partials
+    }
+
+
+def _first_moe_layer(prof: Profile) -> int:
+    for i in range(prof.model.num_hidden_layers):
+        if prof.model.is_moe_layer(i):
+            return i
+    return 0
+
+
+def _param_bytes(prof: Profile, layer: int, prefix: str) -> int:
+    b = DTYPE_BYTES[prof.run.dtype]
+    n = 0
+    for name, shape in layer_shapes(prof.model, layer).items():
+        if name.startswith(prefix):
+            n += math.prod(shape)
+    return n * b
+
+
+def scope_refs(prof: Profile) -> list[ScopeRef]:
+    out = []
+    for i in range(prof.model.num_hidden_layers):
+        out.append(ScopeRef(f"layers.{i}.attn", i, "attn"))
+        kind = "moe" if prof.model.is_moe_layer(i) else "mlp"
+        out.append(ScopeRef(f"layers.{i}.{kind}", i, kind))
+    return out
+
+
+def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | None = None,
+               fragmentation: float = FRAGMENTATION) -> StepModel:
+    """The analytical model of `prof`'s step; a calibration entry (calibration.py) for the
+    same run replaces the per-scope numbers and adds the measured allocator offsets."""
+    b = DTYPE_BYTES[prof.run.dtype]
+    T, H, D = prof.run.batch * prof.run.seq_len, prof.model.hidden_size, prof.model.head_dim
+    kinds = {"attn": attn_memory(prof), "moe": moe_memory(prof, device_type),
+             "mlp": mlp_memory(prof)}
+    static = dict(static_memory(prof.model, prof.run.dtype))
+    static["buffers"] = 2 * prof.run.seq_len * D * b  # rope cos/sin
+    static["total"] += static["buffers"]
+    model = StepModel(prof=prof, scopes=scope_refs(prof), kinds=kinds, static=static,
+                      stream=b * T * H, tail=tail_memory(prof), fragmentation=fragmentation,
+                      runtime=RUNTIME_BYTES if device_type == "cuda" else 0)
+    if calibration is not None:
+        apply_calibration(model, calibration)
+    return model
+
+
+def apply_calibration(model: StepModel, entry: dict) -> None:
+    """Measured per-scope numbers replace the formulas; offsets absorb what the formulas miss
+    (allocator rounding and fragmentation, library workspaces), measured on one layer."""
+    for kind, s in entry.get("scopes", {}).items():
+        if kind not in model.kinds:
+            continue
+        old = model.kinds[kind]
+        saved, out = int(s["saved_bytes"]), int(s["out_bytes"])
+        pools = s.get("private_pools")
+        model.kinds[kind] = ScopeMemory(
+            kind=kind, saved=saved, out=out, in_grad=int(s.get("in_grad_bytes", old.in_grad)),
+            fwd_transient=max(0, int(s["fwd_peak_bytes"]) - saved - out),
+            bwd_transient=max(0, int(s["bwd_peak_bytes"])),
+            param_grads=old.param_grads, saves_input=bool(s.get("saves_input", False)),
+            source="calibration",
+            private_pools=(int(pools[0]), int(pools[1])) if pools else None)
+    layer = entry.get("layer_model")
+    if layer:
+        # The same simulation over the calibration's one-layer model, against its measurement.
+        probe = _one_layer_probe(model)
+        everything = (True,) * len(probe.scopes)
+        for strategy, measured in layer.get("pools", {}).items():
+            predicted = probe.predict(everything, strategy).pool_bytes if strategy in \
+                STRATEGIES and strategy != "per_entry" else None
+            if predicted is not None:
+                n_pools = max(1, len(probe.predict(everything, strategy).pools))
+                model.pool_offsets[strategy] = int((int(measured) - predicted) / n_pools)
+        if layer.get("eager_peak_reserved"):
+            base = probe.predict((False,) * len(probe.scopes), "shared").eager_phase_peak
+            model.eager_offset = int(layer["eager_peak_reserved"]) - base
+    model.source = "calibration"
+
+
+def one_layer_profile(prof: Profile) -> Profile:
+    """The profile cut to one MoE layer: what a calibration builds and measures."""
+    cfg = dataclasses.replace(prof.model, num_hidden_layers=1, mlp_only_layers=[],
+                              decoder_sparse_step=1)
+    return dataclasses.replace(prof, model=cfg, run=dataclasses.replace(prof.run),
+                               moe=dataclasses.replace(prof.moe))
+
+
+def _one_layer_probe(model: StepModel) -> StepModel:
+    prof = one_layer_profile(model.prof)
+    static = dict(static_memory(prof.model, prof.run.dtype))
+    static["total"] += model.static.get("buffers", 0)
+    probe = dataclasses.replace(model, prof=prof, scopes=scope_refs(prof), static=static,
+                                pool_offsets={}, eager_offset=0)
+    return probe

@@ -1,0 +1,223 @@
+"""The planner: never over budget, monotone in the budget, nothing captured when only that fits;
+one-line errors for budgets that cannot work; the plan file round trip; the CLI on a CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from moegraph_cli.app import app
+from moegraph_cli.config import load_profile
+from moegraph_cli.errors import UsageError
+from moegraph_cli.plan.memory import STRATEGIES, run_key, step_model
+from moegraph_cli.plan.planfile import load_plan
+from moegraph_cli.plan.planner import Savings, choose, estimated_savings, plan_command
+from moegraph_cli.runspec import resolve
+
+MiB = 2**20
+
+
+def small_profile(layers: int, seq_len: int = 128, dense: tuple = ()):
+    return load_profile("tiny-qwen3-moe", [f"model.num_hidden_layers={layers}",
+                                           f"run.seq_len={seq_len}",
+                                           f"model.mlp_only_layers={list(dense)}"])
+
+
+# -- properties ---------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 5), scopes=st.sampled_from([["attn"], ["moe"], ["attn", "moe"]]),
+       pools=st.sampled_from([["shared"], ["per_scope"], ["per_entry"], list(STRATEGIES)]),
+       frac=st.floats(0.0, 1.0), extra=st.floats(0.0, 0.5), dense=st.booleans())
+def test_never_over_budget_and_monotone(layers, scopes, pools, frac, extra, dense):
+    prof = small_profile(layers, dense=(0,) if dense and layers > 1 else ())
+    model = step_model(prof)
+    n = len(model.scopes)
+    lo = model.predict((False,) * n, "shared").peak
+    hi = max(model.predict((True,) * n, s).peak for s in STRATEGIES)
+    budget = int(lo + frac * (hi - lo))
+    gains = estimated_savings()
+    best = choose(model, budget, scopes, pools, gains)
+    assert best is not None  # capturing nothing always fits at >= the eager peak
+    assert best.prediction.peak <= budget
+    assert all(ref.kind == "attn" or "moe" in scopes
+               for ref, c in zip(model.scopes, best.prediction.captured) if c)
+    assert all(ref.kind != "attn" or "attn" in scopes
+               for ref, c in zip(model.scopes, best.prediction.captured) if c)
+    more = choose(model, int(budget * (1 + extra)) + 1, scopes, pools, gains)
+    assert more.saved_ms >= best.saved_ms - 1e-9
+    assert more.prediction.peak <= int(budget * (1 + extra)) + 1
+    # enough budget for everything captures everything requested
+    full = choose(model, hi, scopes, pools, gains)
+    assert full.saved_ms == pytest.approx(sum(
+        gains.of(r) for r in model.scopes
+        if ("attn" in scopes if r.kind == "attn" else "moe" in scopes)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(layers=st.integers(1, 6), below=st.floats(0.0, 0.999))
+def test_nothing_captured_when_only_that_fits(layers, below):
+    model = step_model(small_profile(layers))
+    n = len(model.scopes)
+    eager = model.predict((False,) * n, "shared").peak
+    cheapest_capture = min(model.predict(tuple(i == j for j in range(n)), s).peak
+                           for i in range(n) for s in STRATEGIES)
+    assert cheapest_capture > eager
+    budget = int(eager + below * (cheapest_capture - eager))
+    best = choose(model, budget, ["attn", "moe"], list(STRATEGIES), estimated_savings())
+    assert not any(best.prediction.captured)
+    assert best.saved_ms == 0
+    assert choose(model, eager - 1, ["attn", "moe"], list(STRATEGIES), estimated_savings()) \
+        is None
+
+
+def test_shared_pool_preferred_when_everything_fits():
+    model = step_model(small_profile(4))
+    n = len(model.scopes)
+    per_entry = model.predict((True,) * n, "per_entry").peak
+    shared = model.predict((True,) * n, "shared").peak
+    assert shared < per_entry
+    best = choose(model, per_entry - 1, ["attn", "moe"], list(STRATEGIES), estimated_savings())
+    assert all(best.prediction.captured) and best.prediction.strategy == "shared"
+    # per_entry forced under the same budget cannot capture everything
+    forced = choose(model, per_entry - 1, ["attn", "moe"], ["per_entry"], estimated_savings())
+    assert not all(forced.prediction.captured)
+    assert forced.saved_ms < best.saved_ms
+
+
+def test_measured_savings_steer_the_choice():
+    model = step_model(small_profile(3))
+    n = len(model.scopes)
+    budget = model.predict((True,) * n, "shared").peak
+    gains = Savings({}, {"attn": 0.8, "moe": -0.1}, "test")  # replaying moe is slower
+    best = choose(model, budget, ["attn", "moe"], ["shared"], gains)
+    assert [r.kind for r, c in zip(model.scopes, best.prediction.captured) if c] == ["attn"] * 3
+    assert best.saved_ms == pytest.approx(2.4)
+
+
+# -- errors -------------------------------------------------------------------------------
+def test_budget_below_static_states_the_minimum():
+    spec = resolve("tiny-qwen3-moe")
+    with pytest.raises(UsageError) as e:
+        plan_command(spec, budget="100MiB")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "below the static memory" in msg and "310.21 MiB" in msg  # weights+grads+AdamW
+    eager = step_model(spec.profile).predict((False,) * 4, "shared").peak
+    assert f"smallest budget that fits a step is {eager / MiB:.2f} MiB" in msg
+
+
+def test_budget_that_fits_nothing_states_the_smallest():
+    spec = resolve("tiny-qwen3-moe")
+    eager = step_model(spec.profile).predict((False,) * 4, "shared").peak
+    with pytest.raises(UsageError) as e:
+        plan_command(spec, budget=str(eager - MiB))
+    msg = str(e.value)
+    assert "\n" not in msg and "even with nothing captured" in msg
+    assert f"smallest budget that fits is {eager / MiB:.2f} MiB" in msg
+    assert plan_command(spec, budget=str(eager))["predicted_peak"] <= eager
+
+
+# -- plan file ----------------------------------------------------------------------------
+def test_plan_yaml_round_trip(tmp_path):
+    spec = resolve("tiny-qwen3-moe", overrides=["model.num_hidden_layers=3",
+                                                "model.mlp_only_layers=[2]"])
+    path = tmp_path / "plan.yaml"
+    r = plan_command(spec, budget="4GiB", pool="per_entry", out=str(path))
+    plan = load_plan(path, spec.profile)
+    assert plan.layer_scopes() == {0: ["attn", "moe"], 1: ["attn", "moe"], 2: ["attn", "moe"]}
+    groups = plan.scope_groups()
+    assert groups == {f"layers.{i}.{k}": None for i, k in
+                      [(0, "attn"), (0, "moe"), (1, "attn"), (1, "moe"), (2, "attn"),
+                       (2, "mlp")]}
+    pools = plan.predicted_pool_bytes()
+    assert set(pools) == {f"{n}.{g}" for n in groups for g in ("fwd", "bwd")}
+    assert pools == r["pools"] and plan.predicted_peak == r["predicted_peak"]
+    raw = yaml.safe_load(path.read_text())
+    assert raw["key"]["batch"] == 2 and raw["key"]["seq_len"] == 512
+    assert raw["key"]["dtype"] == "bfloat16" and raw["key"]["moe_mode"] == "dropless"
+    assert raw["key"]["model_hash"] == run_key(spec.profile)["model_hash"]
+    assert sum(layer["predicted_bytes"] for layer in raw["layers"]) == \
+        r["pool_bytes"] + r["io_bytes"]
+
+
+def test_plan_with_shared_groups(tmp_path):
+    spec = resolve("tiny-qwen3-moe")
+    path = tmp_path / "plan.yaml"
+    plan_command(spec, budget="1GiB", pool="auto", out=str(path))
+    plan = load_plan(path, spec.profile)
+    assert set(plan.scope_groups().values()) == {"shared"}
+    assert list(plan.predicted_pool_bytes()) == ["shared"]
+
+
+def test_plan_refused_for_another_run(tmp_path):
+    path = tmp_path / "plan.yaml"
+    plan_command(resolve("tiny-qwen3-moe"), budget="1GiB", out=str(path))
+    other = load_profile("qwen3-30b-a3b-4layer")
+    with pytest.raises(UsageError, match="was made for tiny-qwen3-moe .* not this run "
+                                         "qwen3-30b-a3b-4layer"):
+        load_plan(path, other)
+    longer = load_profile("tiny-qwen3-moe", ["run.seq_len=1024"])
+    with pytest.raises(UsageError, match="seq_len 512.*not this run.*seq_len 1024"):
+        load_plan(path, longer)
+
+
+@pytest.mark.parametrize("text,match", [
+    (None, "no such file"), ("a: [1, 2", "not valid YAML"),
+    ("just a string", "not a moegraph plan"),
+    ("moegraph_plan: 1\nkey: {}\n", "field 'pool' is missing")])
+def test_plan_file_errors(tmp_path, text, match):
+    path = tmp_path / "plan.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(UsageError, match=match) as e:
+        load_plan(path, load_profile("tiny-qwen3-moe"))
+    assert "\n" not in str(e.value)
+
+
+# -- CLI ----------------------------------------------------------------------------------
+def _stderr(result) -> str:
+    try:
+        return result.stderr
+    except (ValueError, AttributeError):
+        return result.output
+
+
+def test_cli_plan_json():
+    result = CliRunner().invoke(app, ["plan", "--profile", "tiny-qwen3-moe", "--budget", "1GiB",
+                                      "--json"])
+    assert result.exit_code == 0, _stderr(result)
+    r = json.loads(result.stdout)
+    for key in ("profile", "source", "budget", "layers", "static_bytes", "eager_peak",
+                "pool_bytes", "predicted_peak", "saved_ms", "left_out", "out", "pools"):
+        assert key in r
+    assert r["profile"] == "tiny-qwen3-moe" and r["budget"] == 2**30
+    assert r["predicted_peak"] <= r["budget"] and r["pool"] == "shared"
+    assert [layer["scopes"] for layer in r["layers"]] == [["attn", "moe"], ["attn", "moe"]]
+
+
+def test_cli_plan_scopes_restrict():
+    result = CliRunner().invoke(app, ["plan", "--budget", "1GiB", "--scopes", "attn", "--json"])
+    assert result.exit_code == 0, _stderr(result)
+    r = json.loads(result.stdout)
+    assert [layer["scopes"] for layer in r["layers"]] == [["attn"], ["attn"]]
+    assert r["left_out"] == ["moe on layers 0-1: not requested (scopes: attn)"]
+
+
+def test_cli_plan_budget_auto_on_cpu_is_a_usage_error():
+    result = CliRunner().invoke(app, ["plan", "--budget", "auto"])
+    assert result.exit_code == 2
+    err = _stderr(result).strip()
+    assert len(err.splitlines()) == 1 and "--budget auto" in err and "no CUDA device" in err
+
+
+def test_cli_plan_writes_file(tmp_path):
+    out = tmp_path / "p.yaml"
+    result = CliRunner().invoke(app, ["plan", "--budget", "890MiB", "--out", str(out)])
+    assert result.exit_code == 0, _stderr(result)
+    assert f"wrote {out}" in result.stdout
+    assert load_plan(out, load_profile("tiny-qwen3-moe")).predicted_peak <= 890 * MiB
