@@ -29,10 +29,11 @@ from .route_align import RouteList
 def wgrad_config(n: int, device: torch.device) -> GemmConfig:
     if device.type != "cuda":
         return GemmConfig(32, 32, 16, 4, 4, 1)
-    # 128 x 128 x 64, 4 stages: 32 KB/stage, 128 KB of shared memory; short K loops
-    # (an expert's slot count) favour a moderate tile.
+    # 128 x 128 x 32, 5 stages: 16 KB/stage, 80 KB of shared memory; short K loops (an
+    # expert's slot count) favour a moderate tile. The H200 sweep (benchmarks/moe_experts.py
+    # --sweep) put it ahead of K tile 64 x 4 stages for both weights (335 vs 329 TFLOP/s).
     block_n = 128 if n % 128 == 0 or n > 256 else 64
-    return GemmConfig(128, block_n, 64, 8, 8 if block_n == 128 else 4, 4)
+    return GemmConfig(128, block_n, 32, 8, 8 if block_n == 128 else 4, 5)
 
 
 @triton.jit
