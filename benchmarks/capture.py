@@ -52,6 +52,7 @@ def run_case(profile: str, scopes: str, pool: str, steps: int, verify: bool,
         "eager_peak_reserved": cap["eager"]["peak_reserved"],
         "graph_peak_reserved": cap["graph"]["peak_reserved"],
         "eager_peak_allocated": cap["eager"]["peak_allocated"],
+        "capture_peak_reserved": cap.get("capture_peak_reserved"),
         "graph_peak_allocated": cap["graph"]["peak_allocated"],
         "reserved_change_pct": (cap["graph"]["peak_reserved"] / cap["eager"]["peak_reserved"]
                                 - 1) * 100,
@@ -77,12 +78,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--only", default=None, help="comma list of profiles")
+    ap.add_argument("--pools", default=None, help="comma list of pool strategies")
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--out", default="benchmarks/results/capture.json")
     args = ap.parse_args()
     extra = [x for s in args.set for x in ("--set", s)]
-    cases = [c for c in CASES if args.only is None or c[0] in args.only.split(",")]
+    cases = [c for c in CASES if (args.only is None or c[0] in args.only.split(","))
+             and (args.pools is None or c[2] in args.pools.split(","))]
     records = []
     for c in cases:
         records.append(run_case(*c, args.steps, not args.no_verify, extra))

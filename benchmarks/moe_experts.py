@@ -311,6 +311,9 @@ def main():
                 records.append(rec)
                 print(json.dumps({k_: v for k_, v in rec.items()
                                   if k_ not in ("gpu", "torch", "triton", "date")}), flush=True)
+                out = Path(args.out)  # rewritten after every case: a time limit loses nothing
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(records, indent=1))
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -107,8 +107,10 @@ def record(case: str, profile: str, budget: int, plan: dict | None, run: dict,
     else:
         captured = len(run.get("per_scope") or [])
     predicted = plan["predicted_peak"] if plan else None
-    measured = (run.get("graph") or {}).get("peak_reserved")
-    steady_peak = ((steady or {}).get("graph") or {}).get("peak_reserved")
+    # a measured peak compares with the prediction only if the graphs really ran
+    measured = (run.get("graph") or {}).get("peak_reserved") if run.get("captured_ok") else None
+    steady_peak = ((steady or {}).get("graph") or {}).get("peak_reserved") \
+        if (steady or {}).get("captured_ok") else None
     rec = {
         "case": case, "profile": profile, "budget": budget,
         "pool": plan["pool"] if plan else run.get("pool"),
@@ -116,6 +118,7 @@ def record(case: str, profile: str, budget: int, plan: dict | None, run: dict,
         "layers": [{"layer": layer["layer"], "scopes": layer["scopes"]}
                    for layer in plan["layers"]] if plan else None,
         "predicted_peak": predicted, "measured_peak": measured,
+        "measured_peak_any": (run.get("graph") or {}).get("peak_reserved"),
         "error_pct": None if not (predicted and measured) else
         100.0 * (measured - predicted) / predicted,
         "measured_steady_peak": steady_peak,

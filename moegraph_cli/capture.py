@@ -55,6 +55,11 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         t0 = time.perf_counter()
         ok = capture_into(model, session, next(it))
         capture_s = time.perf_counter() - t0
+        # What capture needed at its peak (warm-up included) is reported on its own; the
+        # graph-phase peak below is the steady state, with capture's leftovers released.
+        capture_peak = peaks()["peak_reserved"]
+        torch.cuda.empty_cache()
+        reset_peaks()
         trainer.session = session if ok else None
         bar.advance("graph steps" if ok else "eager steps (capture rolled back)")
         failure = session.failure
@@ -87,7 +92,8 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         "eager": eager, "graph": graph,
         "speedup": eager["step_ms"] / graph["step_ms"] if graph.get("step_ms") else None,
         "captured_ok": failure is None and session.captured,
-        "capture_s": capture_s, "counters": stats["totals"], "per_scope": stats["scopes"],
+        "capture_s": capture_s, "capture_peak_reserved": capture_peak,
+        "counters": stats["totals"], "per_scope": stats["scopes"],
         "pools": pools, "pool_total_bytes": sum(p["bytes"] for p in pools),
         "failure": failure, "fallback_reasons": reasons, "memory_limit": limit,
         "step_flops": flops, **device_info(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import statistics
+import weakref
 from pathlib import Path
 
 import torch
@@ -197,7 +198,7 @@ def time_scopes(session, reps: int = SCOPE_REPS) -> list[dict]:
 
 
 def write_savings(path: str, result: dict) -> None:
-    """The per-scope savings file `moegraph plan --savings` reads."""
+    """The per-scope savings file `moegraph plan --savings` reads (.json: JSON, else YAML)."""
     per_kind: dict[str, list[dict]] = {}
     for s in result["scopes"]:
         per_kind.setdefault(s["kind"], []).append(s)
@@ -213,8 +214,13 @@ def write_savings(path: str, result: dict) -> None:
                      for k, rows in per_kind.items()},
         "eager_step_ms": result["eager_step_ms"], "graph_step_ms": result["graph_step_ms"],
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".json":
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+    else:
+        import yaml
+        path.write_text(yaml.safe_dump(json.loads(json.dumps(doc)), sort_keys=False))
 
 
 # -- calibration ------------------------------------------------------------------------------
@@ -296,12 +302,11 @@ def measure_scope(module: torch.nn.Module, args: list[torch.Tensor]) -> dict:
     exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
     exclude |= {t.untyped_storage().data_ptr() for t in module_state(module)}
     input_ptrs = {t.untyped_storage().data_ptr() for t in ins}
-    saved: dict[int, int] = {}
+    packed: list[weakref.ref] = []
 
     def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in exclude:
-            saved[storage.data_ptr()] = storage.nbytes()
+        if t.untyped_storage().data_ptr() not in exclude:
+            packed.append(weakref.ref(t))  # weakly: a node nothing reaches frees its tensors
         return t
 
     torch.cuda.synchronize()
@@ -311,6 +316,11 @@ def measure_scope(module: torch.nn.Module, args: list[torch.Tensor]) -> dict:
         outs = _as_tuple(module(*ins))
     torch.cuda.synchronize()
     fwd_peak = torch.cuda.max_memory_allocated() - before
+    saved: dict[int, int] = {}  # storages still held once the forward is done
+    for ref in packed:
+        t = ref()
+        if t is not None:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     saves_input = any(p in saved for p in input_ptrs)
     for p in input_ptrs:
         saved.pop(p, None)

@@ -9,9 +9,9 @@ import sys
 import types
 
 import pytest
-from typer.testing import CliRunner
+import yaml
+from cli_util import run_cli
 
-from moegraph_cli.app import app
 from moegraph_cli.errors import MoegraphError, UsageError
 from moegraph_cli.nvml import NvmlSampler
 from moegraph_cli.plan.calibration import load_calibration, lookup, write_entry
@@ -23,18 +23,10 @@ from moegraph_cli.runspec import resolve
 MiB = 2**20
 
 
-def _stderr(result) -> str:
-    try:
-        return result.stderr
-    except (ValueError, AttributeError):
-        return result.output
-
-
 def test_cli_profile_on_cpu_exits_4_with_one_line():
-    result = CliRunner().invoke(app, ["profile", "--profile", "tiny-qwen3-moe"])
-    assert result.exit_code == 4
-    err = _stderr(result).strip()
-    assert err.splitlines() == [
+    code, _, stderr = run_cli("profile", "--profile", "tiny-qwen3-moe")
+    assert code == 4
+    assert stderr.strip().splitlines() == [
         "moegraph: error: no CUDA device: this command needs an NVIDIA GPU"]
 
 
@@ -139,11 +131,12 @@ def test_plot_writes_a_png(tmp_path):
 
 
 # -- savings and calibration files ----------------------------------------------------------
-def test_savings_file_round_trip_and_plan_uses_it(tmp_path):
-    path = tmp_path / "savings.json"
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_savings_file_round_trip_and_plan_uses_it(tmp_path, suffix):
+    path = tmp_path / f"savings{suffix}"
     result = _fake_result()
     write_savings(str(path), result)
-    doc = json.loads(path.read_text())
+    doc = json.loads(path.read_text()) if suffix == ".json" else yaml.safe_load(path.read_text())
     assert doc["per_kind"]["attn"]["saved_ms"] == pytest.approx(1.5)  # mean of 1.0, 2.0
     s = load_savings(path, result["key"])
     assert s.per_name == {"layers.0.attn": 1.0, "layers.0.moe": 1.0, "layers.1.attn": 2.0,

@@ -10,8 +10,8 @@ E*round_up(C, BM), BM the slot block), N = T*k routes.
 Per scope (one of attn, moe, mlp) the model counts, in bytes:
 - saved: tensors autograd keeps from forward to backward (parameters and the rope tables
   excluded; the scope's input is excluded too and flagged by `saves_input`, which holds in
-  fp32 where `x.float()` returns `x` itself). Exact for the reference path; the formulas are
-  checked against `saved_tensors_hooks` in tests/plan/test_memory.py.
+  fp32 where `x.float()` returns `x` itself). Exact for both expert paths; checked against
+  `saved_tensors_hooks` in tests/plan/test_memory.py (the Triton one under its interpreter).
 - out / in_grad: the scope's output(s) and its input's gradient ([B,S,H]; moe adds its
   [2,E] fp32 router statistics).
 - fwd_transient: the forward's peak above saved + out (short-lived temporaries).
@@ -23,7 +23,8 @@ Transients are upper estimates from the largest temporaries alive together; a ca
 
 A step (see `StepModel.predict`):
 - static: weights, grads (persistent `.grad` buffers) and AdamW's two states, all in the
-  parameter dtype, plus the rope tables; RUNTIME_BYTES for cuBLAS workspaces and the like.
+  parameter dtype, plus the rope tables; RUNTIME_BYTES (RUNTIME_GRAPH_BYTES once graphs were
+  captured) for cuBLAS workspaces.
 - graph pools, reserved for the whole run. The simulation replays the capture order
   (forward graphs in execution order, backward graphs in reverse) over each pool's members
   and takes the largest live sum: for `shared` that is about sum(saved + out + in_grad) plus
@@ -41,6 +42,11 @@ A step (see `StepModel.predict`):
   dynamic bytes, pools rounded up to 2 MiB segments.
 The capture command first runs eager steps, so the prediction is the larger of that eager
 phase and the graph phase.
+
+Calibration (plan/calibration.py): measured per-scope sizes and per-entry pools replace the
+formulas; the same simulation run over the calibration's one-layer model, against that model's
+measured pools and eager peak reserved, gives offsets (allocator rounding, fragmentation,
+library workspaces) that are added to every prediction for the full model.
 """
 
 from __future__ import annotations
@@ -56,7 +62,10 @@ from ..config import Profile
 from ..summary import DTYPE_BYTES, layer_shapes, static_memory
 
 FRAGMENTATION = 0.05  # caching-allocator slack on dynamic bytes (pools and eager activations)
-RUNTIME_BYTES = 64 * 2**20  # cuBLAS workspaces (one per stream used) and small buffers
+# cuBLAS keeps a workspace per stream that runs a matmul, 32 MiB each on Hopper: the main
+# stream in eager steps; with graphs also capture's warm-up stream and its capture stream.
+RUNTIME_BYTES = 32 * 2**20
+RUNTIME_GRAPH_BYTES = 3 * 32 * 2**20
 SEGMENT = 2 * 2**20  # the caching allocator's large-segment granularity
 STRATEGIES = ("shared", "per_scope", "per_entry")
 KIND_OF_SCOPE = {"attn": "attn", "moe": "moe", "mlp": "moe"}  # model kind -> requested scope
@@ -157,6 +166,7 @@ class StepModel:
     tail: dict[str, int]
     fragmentation: float = FRAGMENTATION
     runtime: int = RUNTIME_BYTES
+    runtime_graph: int = RUNTIME_GRAPH_BYTES
     eager_offset: int = 0  # calibration: measured minus modelled eager peak (allocator, libs)
     pool_offsets: dict[str, int] = field(default_factory=dict)  # calibration, per strategy
     source: str = "analytical"
@@ -174,7 +184,8 @@ class StepModel:
         eager_dyn, where = self._eager_dynamic(captured)
         static = self.static["total"]
         pool_total = sum(pools.values())
-        eager = int(eager_dyn * frag) + io + self.runtime + self.eager_offset
+        runtime = self.runtime_graph if any(captured) else self.runtime
+        eager = int(eager_dyn * frag) + io + runtime + self.eager_offset
         graph_phase = static + pool_total + eager
         base_dyn, _ = self._eager_dynamic((False,) * len(self.scopes))
         eager_phase = static + int(base_dyn * frag) + self.runtime + self.eager_offset
@@ -324,14 +335,14 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     saved = rms_saved(T, H, b, True) + b * T * H  # post norm; x_TH (router and experts)
     saved += 4 * T * E + 8 * N  # softmax probs (fp32), top-k indices (int64)
     if c.norm_topk_prob:
-        saved += 4 * N + 4 * T  # renormalisation: fp32 weights and their sum
-    if capacity is not None:
-        saved += 8 * N  # capacity_keep_TK's sort indices
+        saved += 4 * N + 4 * T  # renormalisation's operands: fp32 top-k values and their sum
     backend = prof.moe.backend
     if backend == "auto":
         backend = "permute_free" if device_type == "cuda" else "reference"
     params = _param_bytes(prof, _first_moe_layer(prof), "moe.")
     if backend == "reference":
+        # (capacity_keep_TK's sort saves its indices, but nothing differentiable uses the
+        # sorted values, so that node and its indices are freed at once.)
         routes = N if capacity is None else min(N, E * capacity)
         # per route: nonzero's (token, j) int64, gathered x, 8F of fp32 gate/up (or Y1 in
         # fp32), silu(gate) and silu*up in fp32, the fp32 probability, the act in b.
@@ -341,7 +352,7 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     else:
         S = expert_slots(T, k, E, route_block(N, E, device_type), capacity)
         block = route_block(N, E, device_type)
-        saved += (0 if b == 4 else b * N)  # top-k weights in the model dtype
+        saved += b * N  # the top-k weights the experts read (model dtype)
         saved += b * S * 2 * F  # Y1, the only F-scale tensor kept
         saved += 8 * (S + 1) + 4 * (S // block) + 4 * N + 8 * E + 8  # the RouteList
         fwd = max((4 + b) * T * H, b * S * F + b * S * H) + b * T * H  # act + Y2; combine out
@@ -421,7 +432,8 @@ def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | Non
     static["total"] += static["buffers"]
     model = StepModel(prof=prof, scopes=scope_refs(prof), kinds=kinds, static=static,
                       stream=b * T * H, tail=tail_memory(prof), fragmentation=fragmentation,
-                      runtime=RUNTIME_BYTES if device_type == "cuda" else 0)
+                      runtime=RUNTIME_BYTES if device_type == "cuda" else 0,
+                      runtime_graph=RUNTIME_GRAPH_BYTES if device_type == "cuda" else 0)
     if calibration is not None:
         apply_calibration(model, calibration)
     return model

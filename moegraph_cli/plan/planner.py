@@ -62,7 +62,7 @@ def estimated_savings() -> Savings:
 
 
 def load_savings(path: str | Path, key: dict) -> Savings:
-    """The per-scope savings file `moegraph profile --out` writes (JSON)."""
+    """The per-scope savings file `moegraph profile --out` writes (YAML or JSON)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"savings {path}: no such file (write one with `moegraph profile "
@@ -70,7 +70,7 @@ def load_savings(path: str | Path, key: dict) -> Savings:
     try:
         raw = yaml.safe_load(path.read_text())  # JSON is YAML
     except yaml.YAMLError:
-        raise UsageError(f"savings {path}: not valid JSON") from None
+        raise UsageError(f"savings {path}: not valid YAML/JSON") from None
     if not isinstance(raw, dict) or raw.get("moegraph_savings") != 1 \
             or not isinstance(raw.get("scopes"), dict):
         raise UsageError(f"savings {path}: not a moegraph savings file (expected "
@@ -166,14 +166,15 @@ def left_out(model: StepModel, best: Choice, budget: int, scopes: list[str], str
         if KIND_OF_SCOPE[kind] not in scopes:
             out.append(f"{where}: not requested (scopes: {','.join(scopes) or 'none'})")
             continue
-        a, m = best.n_attn, best.n_ffn
-        nxt = arrangement(model.scopes, a + 1, m) if kind == "attn" else \
-            arrangement(model.scopes, a, m + 1)
-        first = refs[0][1]
+        i, first = refs[0]
+        nxt = tuple(c or j == i for j, c in enumerate(cap))
         if savings.of(first) <= 0:
             out.append(f"{where}: saves nothing ({savings.of(first):.3f} ms measured)")
             continue
         peak = min(model.predict(nxt, s).peak for s in ([strategy] if strategy else STRATEGIES))
+        if peak <= budget:  # fits alone, but not with the contiguous layers the search keeps
+            out.append(f"{where}: not in the best contiguous choice (layers from 0 upward)")
+            continue
         out.append(f"{where}: capturing {first.name} too raises the predicted peak to "
                    f"{fmt_bytes(peak)}, over the budget {fmt_bytes(budget)}")
     return out

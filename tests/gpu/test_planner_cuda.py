@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from cli_util import run_cli
 
-from moegraph_cli.app import app
 from moegraph_cli.plan.planner import load_savings, plan_command
 from moegraph_cli.runspec import resolve
 
@@ -78,11 +77,10 @@ def test_per_entry_costs_more_than_shared_as_predicted(tmp_path):
 def test_profile_tiny_writes_savings_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     savings, png, cal = tmp_path / "savings.json", tmp_path / "p.png", tmp_path / "cal.yaml"
-    result = CliRunner().invoke(app, ["profile", "--profile", "tiny-qwen3-moe", "--steps", "3",
-                                      "--out", str(savings), "--plot", str(png),
-                                      "--calibrate", str(cal), "--json"])
-    assert result.exit_code == 0, result.output
-    r = json.loads(result.stdout)
+    code, stdout, stderr = run_cli("profile", "--profile", "tiny-qwen3-moe", "--steps", "3",
+                                   "--out", savings, "--plot", png, "--calibrate", cal, "--json")
+    assert code == 0, stderr[-3000:]
+    r = json.loads(stdout)
     assert {s["name"] for s in r["scopes"]} == {"layers.0.attn", "layers.0.moe",
                                                  "layers.1.attn", "layers.1.moe"}
     assert all(s["replay_ms"] < s["eager_ms"] for s in r["scopes"])  # tiny is launch-bound

@@ -9,9 +9,8 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
+from cli_util import run_cli
 
-from moegraph_cli.app import app
 from moegraph_cli.config import load_profile
 from moegraph_cli.errors import UsageError
 from moegraph_cli.plan.memory import STRATEGIES, run_key, step_model
@@ -145,13 +144,28 @@ def test_plan_yaml_round_trip(tmp_path):
         r["pool_bytes"] + r["io_bytes"]
 
 
-def test_plan_with_shared_groups(tmp_path):
+@pytest.mark.parametrize("pool,groups", [("auto", {"shared"}), ("shared", {"shared"}),
+                                         ("per_scope", {"attn", "moe"})])
+def test_plan_with_pooled_groups(tmp_path, pool, groups):
     spec = resolve("tiny-qwen3-moe")
     path = tmp_path / "plan.yaml"
-    plan_command(spec, budget="1GiB", pool="auto", out=str(path))
+    plan_command(spec, budget="1GiB", pool=pool, out=str(path))
     plan = load_plan(path, spec.profile)
-    assert set(plan.scope_groups().values()) == {"shared"}
-    assert list(plan.predicted_pool_bytes()) == ["shared"]
+    assert set(plan.scope_groups().values()) == groups
+    assert set(plan.predicted_pool_bytes()) == groups  # GraphSession.pools() names them so
+    assert {n.split(".")[-1] for n, g in plan.scope_groups().items()} == {"attn", "moe"}
+
+
+def test_left_out_says_what_did_not_fit():
+    spec = resolve("tiny-qwen3-moe")
+    model = step_model(spec.profile)
+    all_in = model.predict((True,) * 4, "shared").peak
+    r = plan_command(spec, budget=str(all_in - 1), pool="shared")
+    assert [layer["scopes"] for layer in r["layers"]] == [["attn", "moe"], ["attn"]]
+    blocked = model.predict((True,) * 4, "shared").peak
+    assert r["left_out"] == [f"moe on layer 1: capturing layers.1.moe too raises the predicted "
+                             f"peak to {blocked / MiB:.2f} MiB, over the budget "
+                             f"{(all_in - 1) / MiB:.2f} MiB"]
 
 
 def test_plan_refused_for_another_run(tmp_path):
@@ -180,18 +194,11 @@ def test_plan_file_errors(tmp_path, text, match):
 
 
 # -- CLI ----------------------------------------------------------------------------------
-def _stderr(result) -> str:
-    try:
-        return result.stderr
-    except (ValueError, AttributeError):
-        return result.output
-
-
 def test_cli_plan_json():
-    result = CliRunner().invoke(app, ["plan", "--profile", "tiny-qwen3-moe", "--budget", "1GiB",
-                                      "--json"])
-    assert result.exit_code == 0, _stderr(result)
-    r = json.loads(result.stdout)
+    code, stdout, stderr = run_cli("plan", "--profile", "tiny-qwen3-moe", "--budget", "1GiB",
+                                   "--json")
+    assert code == 0, stderr
+    r = json.loads(stdout)
     for key in ("profile", "source", "budget", "layers", "static_bytes", "eager_peak",
                 "pool_bytes", "predicted_peak", "saved_ms", "left_out", "out", "pools"):
         assert key in r
@@ -201,23 +208,23 @@ def test_cli_plan_json():
 
 
 def test_cli_plan_scopes_restrict():
-    result = CliRunner().invoke(app, ["plan", "--budget", "1GiB", "--scopes", "attn", "--json"])
-    assert result.exit_code == 0, _stderr(result)
-    r = json.loads(result.stdout)
+    code, stdout, stderr = run_cli("plan", "--budget", "1GiB", "--scopes", "attn", "--json")
+    assert code == 0, stderr
+    r = json.loads(stdout)
     assert [layer["scopes"] for layer in r["layers"]] == [["attn"], ["attn"]]
     assert r["left_out"] == ["moe on layers 0-1: not requested (scopes: attn)"]
 
 
 def test_cli_plan_budget_auto_on_cpu_is_a_usage_error():
-    result = CliRunner().invoke(app, ["plan", "--budget", "auto"])
-    assert result.exit_code == 2
-    err = _stderr(result).strip()
+    code, _, stderr = run_cli("plan", "--budget", "auto")
+    assert code == 2
+    err = stderr.strip()
     assert len(err.splitlines()) == 1 and "--budget auto" in err and "no CUDA device" in err
 
 
 def test_cli_plan_writes_file(tmp_path):
     out = tmp_path / "p.yaml"
-    result = CliRunner().invoke(app, ["plan", "--budget", "890MiB", "--out", str(out)])
-    assert result.exit_code == 0, _stderr(result)
-    assert f"wrote {out}" in result.stdout
+    code, stdout, stderr = run_cli("plan", "--budget", "890MiB", "--out", str(out))
+    assert code == 0, stderr
+    assert f"wrote {out}" in stdout
     assert load_plan(out, load_profile("tiny-qwen3-moe")).predicted_peak <= 890 * MiB
