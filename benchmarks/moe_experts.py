@@ -291,7 +291,7 @@ def main():
         sys.exit("moe_experts: needs a CUDA GPU")
 
     now = datetime.datetime.now().isoformat(timespec="seconds")
-    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+    env = dict(gpu=torch.cuda.get_device_name(), torch=str(torch.__version__),
                triton=triton.__version__, date=now)
     records = []
     if args.check and not check():

@@ -24,7 +24,7 @@ for arg in "$@"; do
     capture_12_entry) cmd="python3 benchmarks/capture.py --only qwen3-30b-a3b-12layer --pools per_entry --out $WORK/capture_12_entry.json" ;;
     capture_fast) cmd="python3 benchmarks/capture.py --only tiny-qwen3-moe,qwen3-30b-a3b-4layer --out $WORK/capture_fast.json" ;;
     planner_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_planner_cuda.py" ;;
-    planner) cmd="python3 benchmarks/planner.py --out $WORK/planner.json" ;;
+    planner) cmd="python3 benchmarks/planner.py --no-steady --out $WORK/planner.json" ;;
     profile) cmd="python3 benchmarks/planner.py --mode profile-tiny --out $WORK/profile_tiny.json" ;;
     *) echo "unknown stage $stage"; continue ;;
   esac

@@ -110,9 +110,10 @@ def set_memory_limit(limit_bytes: int | None, device: torch.device) -> dict | No
     """Cap this process's allocator at `limit_bytes` (emulates a smaller GPU)."""
     if limit_bytes is None:
         return None
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     fraction = min(1.0, limit_bytes / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     return {"limit_bytes": limit_bytes, "device_bytes": total, "fraction": fraction}
 
 
@@ -121,7 +122,8 @@ def device_info() -> dict:
 
     import triton
 
-    info = {"torch": torch.__version__, "triton": triton.__version__,
+    # str(): torch.__version__ is a str subclass that YAML and some JSON writers refuse.
+    info = {"torch": str(torch.__version__), "triton": str(triton.__version__),
             "date": datetime.date.today().isoformat(), "gpu": None}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
