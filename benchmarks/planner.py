@@ -156,9 +156,10 @@ def planner_mode(args) -> list[dict]:
     entry, source = lookup(calibration, run_key(spec.profile))
     model = step_model(spec.profile, "cuda", entry)
     n = len(model.scopes)
-    shared_all = model.predict((True,) * n, "shared").peak
-    entry_all = model.predict((True,) * n, "per_entry").peak
-    none = model.predict((False,) * n, "shared").peak
+    # Budgets are set from what a plan requires (predicted peak + allocation headroom).
+    shared_all = model.predict((True,) * n, "shared").required
+    entry_all = model.predict((True,) * n, "per_entry").required
+    none = model.predict((False,) * n, "shared").required
     print(f"predicted ({source}): nothing {fmt_bytes(none)}, all shared {fmt_bytes(shared_all)}, "
           f"all per_entry {fmt_bytes(entry_all)}", file=sys.stderr)
     if args.limit:
@@ -176,7 +177,7 @@ def planner_mode(args) -> list[dict]:
     run = capture_cli(profile, limit, steps, warmup, pool="per_entry")
     info = {k: run.get(k) for k in ("gpu", "torch", "triton")}
     rec = record("a: per_entry attn+moe, all layers", profile, limit, None, run, None, info)
-    rec["predicted_peak"] = entry_all
+    rec["predicted_peak"] = model.predict((True,) * n, "per_entry").peak
     records.append(rec)
 
     # (b) plan under L with --pool auto, capture --plan under L

@@ -22,6 +22,7 @@ for arg in "$@"; do
     experts_sweep) cmd="python3 benchmarks/moe_experts.py --check --sweep --quick --out $WORK/moe_experts_sweep.json" ;;
     capture) cmd="python3 benchmarks/capture.py --out $WORK/capture.json" ;;
     capture_12_entry) cmd="python3 benchmarks/capture.py --only qwen3-30b-a3b-12layer --pools per_entry --out $WORK/capture_12_entry.json" ;;
+    capture_12_pooled) cmd="python3 benchmarks/capture.py --only qwen3-30b-a3b-12layer --pools shared,per_scope --out $WORK/capture_12_pooled.json" ;;
     capture_fast) cmd="python3 benchmarks/capture.py --only tiny-qwen3-moe,qwen3-30b-a3b-4layer --out $WORK/capture_fast.json" ;;
     planner_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_planner_cuda.py" ;;
     planner) cmd="python3 benchmarks/planner.py --no-steady --out $WORK/planner.json" ;;

@@ -88,8 +88,10 @@ def plan_result(r: dict, as_json: bool) -> None:
         out.print(t)
     out.print(f"static {fmt_bytes(r['static_bytes'])} + graph pools {fmt_bytes(r['pool_bytes'])} "
               f"+ eager peak {fmt_bytes(r['eager_peak'])} (at {r.get('worst_moment', '?')}) = "
-              f"predicted peak {fmt_bytes(r['predicted_peak'])} of budget {fmt_bytes(r['budget'])}"
-              f"; saves {r['saved_ms']:.2f} ms/step", markup=False)
+              f"predicted peak {fmt_bytes(r['predicted_peak'])}; with "
+              f"{fmt_bytes(r.get('headroom_bytes', 0))} allocation headroom it needs "
+              f"{fmt_bytes(r.get('required_budget', r['predicted_peak']))} of budget "
+              f"{fmt_bytes(r['budget'])}; saves {r['saved_ms']:.2f} ms/step", markup=False)
     out.print(f"memory: {r.get('memory_model', '?')}, fragmentation "
               f"{r.get('fragmentation', 0) * 100:.0f}%; savings: {r.get('savings_source', '?')}",
               markup=False)

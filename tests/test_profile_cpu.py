@@ -141,7 +141,7 @@ def test_savings_file_round_trip_and_plan_uses_it(tmp_path, suffix):
     s = load_savings(path, result["key"])
     assert s.per_name == {"layers.0.attn": 1.0, "layers.0.moe": 1.0, "layers.1.attn": 2.0,
                           "layers.1.moe": 2.0}
-    r = plan_command(resolve(), budget="1GiB", savings=str(path))
+    r = plan_command(resolve(), budget="1.5GiB", savings=str(path))
     assert r["saved_ms"] == pytest.approx(6.0) and r["savings_source"].startswith("measured")
     other = run_key(resolve(overrides=["run.seq_len=256"]).profile)
     with pytest.raises(UsageError, match="measured for .*seq_len 512.*not this run.*seq_len 256"):
@@ -167,7 +167,7 @@ def test_calibration_file_entries_by_run(tmp_path, suffix):
     assert [e["scopes"]["attn"]["saved_bytes"] for e in entries] == [8 * MiB, 6 * MiB]
     entry, note = lookup(path, key)
     assert entry["scopes"]["attn"]["saved_bytes"] == 6 * MiB and note == f"calibration {path}"
-    r = plan_command(resolve(), budget="1GiB", calibration=str(path), pool="per_entry")
+    r = plan_command(resolve(), budget="1.5GiB", calibration=str(path), pool="per_entry")
     assert r["memory_model"] == f"calibration {path}"
     assert r["pools"]["layers.0.attn.fwd"] == 24 * MiB
     assert r["scope_memory"]["attn"]["saved"] == 6 * MiB

@@ -145,6 +145,12 @@ class Prediction:
     io_bytes: int
     scope_bytes: dict[str, int]  # pool (and I/O) bytes attributable to each captured scope
     worst_moment: str
+    headroom: int = 0  # the step's largest single allocation (see StepModel.headroom)
+
+    @property
+    def required(self) -> int:
+        """The budget this choice needs: its peak plus room for the largest allocation."""
+        return self.peak + self.headroom
 
 
 @dataclass
@@ -194,7 +200,25 @@ class StepModel:
                           graph_phase_peak=graph_phase, eager_phase_peak=eager_phase,
                           static_bytes=static, eager_peak=eager, pool_bytes=pool_total,
                           pools=pools, io_bytes=io, scope_bytes=scope_bytes,
-                          worst_moment=where)
+                          worst_moment=where, headroom=self.headroom())
+
+    def headroom(self) -> int:
+        """Under a memory cap the caching allocator must still find the step's largest block
+        (the fp32 log-softmax [T, V], or one layer's expert weight grad) in one piece, and
+        cached, partly used segments can strand about that much: measured on the H200, a
+        12-layer Qwen3-30B step whose unconstrained reserved peak was 75.3 GiB ran out of
+        memory under a 76.2 GiB cap while allocating its 2.3 GiB log-softmax. A plan keeps
+        this much beyond its predicted peak."""
+        biggest_param = max((self._param_block(k) for k in self.kinds), default=0)
+        return max(self.tail["loss_saved"], self.tail["logits"], biggest_param)
+
+    def _param_block(self, kind: str) -> int:
+        c, b = self.prof.model, DTYPE_BYTES[self.prof.run.dtype]
+        if kind == "moe":
+            return b * c.num_experts * 2 * c.moe_intermediate_size * c.hidden_size
+        if kind == "mlp":
+            return b * c.intermediate_size * c.hidden_size
+        return b * c.num_attention_heads * c.head_dim * c.hidden_size
 
     def _pools(self, captured, strategy) -> tuple[dict[str, int], dict[str, int]]:
         frag = 1.0 + self.fragmentation

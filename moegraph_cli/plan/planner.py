@@ -134,7 +134,7 @@ def choose(model: StepModel, budget: int, scopes: list[str], strategies: list[st
             break
         for strategy in (strategies if any(cap) else strategies[:1]):
             p = model.predict(cap, strategy)
-            if p.peak > budget:
+            if p.required > budget:
                 continue
             if best is None or saved > best.saved_ms + 1e-9 or p.peak < best.prediction.peak:
                 best = Choice(p, saved, a, m)
@@ -171,12 +171,13 @@ def left_out(model: StepModel, best: Choice, budget: int, scopes: list[str], str
         if savings.of(first) <= 0:
             out.append(f"{where}: saves nothing ({savings.of(first):.3f} ms measured)")
             continue
-        peak = min(model.predict(nxt, s).peak for s in ([strategy] if strategy else STRATEGIES))
+        peak = min(model.predict(nxt, s).required
+                   for s in ([strategy] if strategy else STRATEGIES))
         if peak <= budget:  # fits alone, but not with the contiguous layers the search keeps
             out.append(f"{where}: not in the best contiguous choice (layers from 0 upward)")
             continue
-        out.append(f"{where}: capturing {first.name} too raises the predicted peak to "
-                   f"{fmt_bytes(peak)}, over the budget {fmt_bytes(budget)}")
+        out.append(f"{where}: capturing {first.name} too needs {fmt_bytes(peak)} (predicted "
+                   f"peak plus allocation headroom), over the budget {fmt_bytes(budget)}")
     return out
 
 
@@ -200,7 +201,7 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
     scopes = list(prof.run.scopes)
 
     static = model.static["total"]
-    eager_only = model.predict((False,) * len(model.scopes), strategies[0]).peak
+    eager_only = model.predict((False,) * len(model.scopes), strategies[0]).required
     if budget_bytes < static:
         raise UsageError(f"budget {fmt_bytes(budget_bytes)} is below the static memory of "
                          f"{prof.name} (weights, grads and AdamW states: {fmt_bytes(static)}); "
@@ -236,6 +237,7 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
         "pool": strategy, "scopes_requested": scopes, "layers": layers,
         "static_bytes": static, "eager_peak": p.eager_peak, "pool_bytes": p.pool_bytes,
         "io_bytes": p.io_bytes, "pools": p.pools, "predicted_peak": p.peak,
+        "headroom_bytes": p.headroom, "required_budget": p.required,
         "graph_phase_peak": p.graph_phase_peak, "eager_phase_peak": p.eager_phase_peak,
         "worst_moment": p.worst_moment, "fragmentation": model.fragmentation,
         "saved_ms": best.saved_ms, "candidates": candidates,
