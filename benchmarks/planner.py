@@ -101,7 +101,8 @@ def record(case: str, profile: str, budget: int, plan: dict | None, run: dict,
            steady: dict | None, info: dict) -> dict:
     failure = run.get("failure") or run.get("error")
     counters = run.get("counters") or {}
-    captured = None
+    # scopes the run tried to capture; `captured_ok` says whether they were installed (a
+    # rolled-back capture leaves every scope eager)
     if plan is not None:
         captured = sum(len(layer["scopes"]) for layer in plan["layers"])
     else:
