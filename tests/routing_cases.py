@@ -53,3 +53,15 @@ def make_routing(kind, T, k, E, seed=0):
     gen = torch.Generator().manual_seed(seed)
     ids, w = ROUTINGS[kind](T, k, E, gen)
     return ids.long().contiguous(), w.float().contiguous()
+
+
+def moe_inputs(kind, T, k, E, H, F, seed=0):
+    """(x, topk_ids, topk_weights, w_gate_up, w_down, dout) on the CPU in fp32, for a routing
+    kind; weights scaled so activations stay O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, w = make_routing(kind, T, k, E, seed=seed)
+    x = torch.randn(T, H, generator=gen)
+    w_gate_up = torch.randn(E, 2 * F, H, generator=gen) * H ** -0.5
+    w_down = torch.randn(E, H, F, generator=gen) * F ** -0.5
+    dout = torch.randn(T, H, generator=gen)
+    return x, ids, w, w_gate_up, w_down, dout

@@ -7,7 +7,7 @@ small floor so a near-zero baseline cannot make the test flaky).
 
 import pytest
 import torch
-from routing_cases import make_routing
+from routing_cases import moe_inputs
 
 from moegraph_cli.moe.experts import permute_free_moe, poisoned_scratch
 from moegraph_cli.moe.reference import reference_moe
@@ -19,13 +19,7 @@ ERROR_FLOOR = 2.0 ** -10
 
 
 def _inputs(kind, T, k, E, H, F, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    ids, w = make_routing(kind, T, k, E, seed=seed)
-    x = torch.randn(T, H, generator=gen)
-    w_gate_up = torch.randn(E, 2 * F, H, generator=gen) * H ** -0.5
-    w_down = torch.randn(E, H, F, generator=gen) * F ** -0.5
-    dout = torch.randn(T, H, generator=gen)
-    return [t.to(DEV) for t in (x, ids, w, w_gate_up, w_down, dout)]
+    return [t.to(DEV) for t in moe_inputs(kind, T, k, E, H, F, seed)]
 
 
 def _run(fn, x, ids, w, w_gate_up, w_down, dout, capacity_factor, dtype):

@@ -6,7 +6,7 @@ that reads a real row, or a real element left unwritten, turns a result non-fini
 
 import pytest
 import torch
-from routing_cases import make_routing
+from routing_cases import moe_inputs
 
 from moegraph_cli.moe.experts import (permute_free_moe, permute_free_moe_with_drops,
                                       poisoned_scratch, tile_configs)
@@ -25,13 +25,7 @@ CASES = [  # (routing, T, k, E, H, F)
 
 
 def _inputs(kind, T, k, E, H, F, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    ids, w = make_routing(kind, T, k, E, seed=seed)
-    x = torch.randn(T, H, generator=gen)
-    w_gate_up = torch.randn(E, 2 * F, H, generator=gen) * H ** -0.5
-    w_down = torch.randn(E, H, F, generator=gen) * F ** -0.5
-    dout = torch.randn(T, H, generator=gen)
-    return x, ids, w, w_gate_up, w_down, dout
+    return moe_inputs(kind, T, k, E, H, F, seed)
 
 
 def _run(fn, x, ids, w, w_gate_up, w_down, dout, capacity_factor):
