@@ -127,6 +127,13 @@ def capture_result(r: dict, as_json: bool) -> None:
             t.add_row(p["name"], str(p["graphs"]), fmt_bytes(p["bytes"]),
                       fmt_bytes(p.get("predicted_bytes")))
         out.print(t)
+    if r.get("plan"):
+        pl = r["plan"]
+        measured = pl.get("measured_peak_reserved")
+        err = f" ({(measured / pl['predicted_peak'] - 1) * 100:+.1f}%)" \
+            if measured and pl.get("predicted_peak") else ""
+        out.print(f"plan {pl['file']}: predicted peak {fmt_bytes(pl.get('predicted_peak'))}, "
+                  f"measured peak reserved {fmt_bytes(measured)}{err}", markup=False)
     if r.get("failure"):
         out.print(f"capture failed and rolled back: {r['failure']}", markup=False)
     for reason in r.get("fallback_reasons", []):
