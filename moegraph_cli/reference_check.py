@@ -1,22 +1,26 @@
 """Logits parity against transformers' Qwen3MoeForCausalLM on the same weights.
 
-The weights go through moegraph's own checkpoint writer and transformers' own loader, so the
-check also covers the key map. fp32 must agree to 1e-4; lower precisions report the figure
-against a looser bound (different kernels round differently).
+The comparison is made in float32, whatever dtype the run trains in: fp32 copies of both
+models, moegraph's with the pure-torch expert path (the Triton kernels have their own tests
+against it). In bfloat16 the two implementations round differently and a token whose top-k
+experts are nearly tied can route differently, so a bf16 logit gap says little about the
+model; the fp32 gap is the semantic check and must be within 1e-4. The weights go through
+moegraph's own checkpoint writer and transformers' own loader, so the key map is covered too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import torch
 
 from .errors import UsageError
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
+TOLERANCE = 1e-4
 
 
-def hf_model_from(model, device=None):
+def hf_model_from(model, dtype: torch.dtype = torch.float32):
     try:
         from transformers import Qwen3MoeForCausalLM
     except ImportError:
@@ -24,23 +28,37 @@ def hf_model_from(model, device=None):
                          "(pip install 'moegraph[test]')") from None
     from .checkpoint import save_checkpoint
 
-    dtype = next(model.parameters()).dtype
     with tempfile.TemporaryDirectory() as tmp:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
         save_checkpoint(state, model.config, tmp)
         hf = Qwen3MoeForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa")
-    return hf.to(device or next(model.parameters()).device).eval()
+    return hf.to(next(model.parameters()).device).eval()
+
+
+def fp32_reference_copy(model):
+    """An fp32 copy of `model` on its device, experts on the pure-torch path."""
+    from .model import Qwen3MoeModel
+
+    moe = dataclasses.replace(model.moe_config, backend="reference")
+    device = next(model.parameters()).device
+    with torch.device("meta"):
+        copy = Qwen3MoeModel(model.config, moe)
+    state = {k: v.detach().to(device, torch.float32, copy=True)
+             for k, v in model.state_dict().items()}
+    copy.load_state_dict(state, assign=True, strict=True)
+    return copy.eval()
 
 
 def logits_parity(model, input_ids: torch.Tensor, impl: str = "transformers") -> dict:
     if impl != "transformers":
         raise UsageError(f"--reference {impl!r}: only 'transformers' is supported")
-    hf = hf_model_from(model)
+    ours = fp32_reference_copy(model)
+    theirs = hf_model_from(model)
     with torch.no_grad():
-        ours = model(input_ids).logits.float()
-        theirs = hf(input_ids).logits.float()
-    dtype = next(model.parameters()).dtype
-    max_abs = (ours - theirs).abs().max().item()
-    tol = TOLERANCE[dtype]
-    return {"impl": impl, "max_abs": max_abs, "tolerance": tol, "passed": max_abs <= tol,
-            "dtype": str(dtype).replace("torch.", "")}
+        a = ours(input_ids).logits
+        b = theirs(input_ids).logits.float()
+    max_abs = (a - b).abs().max().item()
+    del ours, theirs
+    return {"impl": impl, "max_abs": max_abs, "tolerance": TOLERANCE,
+            "passed": max_abs <= TOLERANCE, "compared_in": "float32",
+            "model_dtype": str(next(model.parameters()).dtype).replace("torch.", "")}

@@ -187,7 +187,9 @@ def verify_result(r: dict, as_json: bool) -> None:
     out.print(f"gradient max-abs difference: {r['grad_max_abs']:.3g} "
               f"(largest in {r['grad_worst']})")
     if r.get("reference"):
-        out.print(f"logits vs {r['reference']['impl']}: max-abs {r['reference']['max_abs']:.3g}")
+        ref = r["reference"]
+        out.print(f"logits vs {ref['impl']} (fp32 copies of both): max-abs {ref['max_abs']:.3g} "
+                  f"(tolerance {ref['tolerance']:g})")
     c = r.get("counters", {})
     if c:
         out.print(f"graph side: captured {c['captured']}  replayed {c['replayed']}  "
