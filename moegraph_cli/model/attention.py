@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .norm import RMSNorm, rms_norm
+from .norm import RMSNorm
 from .rope import apply_rope
 
 
@@ -20,7 +20,6 @@ class AttentionScope(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.eps = cfg.rms_norm_eps
         h, qd, kvd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, \
             cfg.num_key_value_heads * cfg.head_dim
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -40,10 +39,9 @@ class AttentionScope(nn.Module):
         batch, seq, _ = x_BSH.shape
         cos_SD, sin_SD = self.rope
         y = self.input_norm(x_BSH)
-        q = rms_norm(self.q_proj(y).view(batch, seq, self.num_heads, self.head_dim),
-                     self.q_norm.weight, self.eps).transpose(1, 2)
-        k = rms_norm(self.k_proj(y).view(batch, seq, self.num_kv_heads, self.head_dim),
-                     self.k_norm.weight, self.eps).transpose(1, 2)
+        q = self.q_norm(self.q_proj(y).view(batch, seq, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(y).view(batch, seq, self.num_kv_heads, self.head_dim))
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(y).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos_SD[:seq], sin_SD[:seq]), apply_rope(k, cos_SD[:seq], sin_SD[:seq])
         if self.num_kv_heads != self.num_heads:

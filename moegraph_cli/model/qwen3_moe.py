@@ -22,6 +22,7 @@ from ..config import ModelConfig, MoeConfig, load_profile, read_hf_config
 from ..moe.routing import aux_loss_from_stats
 from .attention import AttentionScope
 from .ffn import DenseMlpScope, MoeScope
+from .norm import RMSNorm
 from .rope import rope_cos_sin
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -67,8 +68,7 @@ class Qwen3MoeModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.moe_config, i) for i in range(cfg.num_hidden_layers))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else \
             nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -129,7 +129,7 @@ class Qwen3MoeModel(nn.Module):
         aux_stats: list[torch.Tensor] = []
         for layer in self.layers:
             x_BSH = layer(x_BSH, aux_stats)
-        x_BSH = self.norm_out(x_BSH)
+        x_BSH = self.norm(x_BSH)
         w_head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x_BSH, w_head)
         aux = aux_loss_from_stats(aux_stats, input_ids.numel()) if aux_stats else None
@@ -139,10 +139,6 @@ class Qwen3MoeModel(nn.Module):
             if aux is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux
         return ModelOutput(logits=logits, loss=loss, aux_loss=aux)
-
-    def norm_out(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        from .norm import rms_norm
-        return rms_norm(x_BSH, self.norm.weight, self.config.rms_norm_eps)
 
     def scopes(self) -> list[tuple[str, int, str, nn.Module]]:
         """(name, layer, kind, module) of every graphable scope, in execution order."""
