@@ -3,29 +3,18 @@ static memory of a training step (weights, grads, AdamW states)."""
 
 from __future__ import annotations
 
+from .checkpoint import moegraph_shapes
 from .config import ModelConfig, Profile
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def layer_shapes(cfg: ModelConfig, layer_idx: int) -> dict[str, list[int]]:
-    """moegraph parameter names (relative to the layer) and shapes."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    qd, kvd = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    shapes = {
-        "attn.input_norm.weight": [h], "attn.q_proj.weight": [qd, h],
-        "attn.k_proj.weight": [kvd, h], "attn.v_proj.weight": [kvd, h],
-        "attn.o_proj.weight": [h, qd], "attn.q_norm.weight": [hd], "attn.k_norm.weight": [hd],
-    }
-    if cfg.is_moe_layer(layer_idx):
-        e, f = cfg.num_experts, cfg.moe_intermediate_size
-        shapes.update({"moe.post_norm.weight": [h], "moe.router.weight": [e, h],
-                       "moe.w_gate_up": [e, 2 * f, h], "moe.w_down": [e, h, f]})
-    else:
-        i = cfg.intermediate_size
-        shapes.update({"mlp.post_norm.weight": [h], "mlp.gate_proj.weight": [i, h],
-                       "mlp.up_proj.weight": [i, h], "mlp.down_proj.weight": [h, i]})
-    return shapes
+    """moegraph parameter names (relative to the layer) and shapes, from the checkpoint's name
+    table (the one place that spells the model's parameters)."""
+    prefix = f"layers.{layer_idx}."
+    return {name[len(prefix):]: list(shape) for name, shape in moegraph_shapes(cfg).items()
+            if name.startswith(prefix)}
 
 
 def _numel(shape: list[int]) -> int:
