@@ -346,54 +346,10 @@ def measure_scope(module: torch.nn.Module, args: list[torch.Tensor]) -> dict:
 def steady_peaks(spec: RunSpec, plan_file: str | None = None, memory_limit: str | None = None,
                  steps: int = 3, warmup: int = 2) -> dict:
     """Eager steps, capture (the run's scopes and pool, or a plan), then graph steps whose
-    peaks are measured after `empty_cache()`: the steady state a plan predicts, free of what
-    capture itself left cached (the recorded forward, the side stream's warm-up). Used by the
-    GPU tests and benchmarks/planner.py."""
-    from .harness import set_memory_limit
-    from .units import parse_bytes
+    peaks are measured after `empty_cache()`: the steady state a plan predicts. This is
+    `moegraph capture` without its progress bar; the GPU tests and benchmarks/planner.py call
+    it in a fresh process."""
+    from .capture import capture_command
 
-    prof, run = spec.profile, spec.profile.run
-    device = pick_device(run.device, need_cuda=True)
-    plan = None
-    if plan_file:
-        from .plan.planfile import load_plan
-        plan = load_plan(plan_file, prof)
-    limit = set_memory_limit(parse_bytes(memory_limit, "--memory-limit") if memory_limit
-                             else None, device)
-    torch.manual_seed(run.seed)
-    model = build_model(spec, device)
-    trainer = GraphTrainer(model, run.lr, run.weight_decay)
-    it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, device, run.data)
-    reset_peaks()
-    eager = timed_steps(trainer, it, steps, warmup)
-    eager.update(peaks())
-    torch.cuda.empty_cache()
-    reset_peaks()
-    session = build_session(model, run.scopes, run.pool, plan)
-    ok = capture_into(model, session, next(it))
-    capture = peaks()
-    failure = session.failure
-    trainer.session = session if ok else None
-    torch.cuda.empty_cache()
-    reset_peaks()
-    try:
-        graph = timed_steps(trainer, it, steps, warmup)
-    except torch.OutOfMemoryError as e:
-        session.rollback(f"OutOfMemoryError during graph steps: {str(e).splitlines()[0]}")
-        failure, trainer.session = session.failure, None
-        graph = {"step_ms": None, "losses": []}
-    graph.update(peaks())
-    pools = session.pools() if session.captured else []
-    predicted = plan.predicted_pool_bytes() if plan else {}
-    for p in pools:
-        p["predicted_bytes"] = predicted.get(p["name"])
-    stats = session.stats()
-    session.uninstall()
-    for phase in (eager, graph):
-        phase.pop("all_ms", None)
-    return json.loads(json.dumps({
-        "profile": prof.name, "captured_ok": bool(ok and failure is None), "failure": failure,
-        "eager": eager, "capture_peaks": capture, "graph": graph, "pools": pools,
-        "counters": stats["totals"], "memory_limit": limit,
-        "plan_predicted_peak": plan.predicted_peak if plan else None, **device_info()},
-        default=str))
+    return capture_command(spec, steps=steps, warmup=warmup, plan_file=plan_file,
+                           memory_limit=memory_limit, progress=False)
