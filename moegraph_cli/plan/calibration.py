@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import UsageError
+from .documents import read_document
 from .memory import describe_key, same_run
 
 FORMAT = 1
@@ -35,15 +36,8 @@ FORMAT = 1
 
 def load_calibration(path: str | Path) -> list[dict]:
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"calibration {path}: no such file (write one with "
-                         "`moegraph profile --calibrate FILE` on a GPU)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"calibration {path}: not valid YAML/JSON{where}") from None
+    raw = read_document(path, "calibration",
+                        "write one with `moegraph profile --calibrate FILE` on a GPU")
     if not isinstance(raw, dict) or raw.get("moegraph_calibration") != FORMAT \
             or not isinstance(raw.get("entries"), list):
         raise UsageError(f"calibration {path}: not a moegraph calibration file "

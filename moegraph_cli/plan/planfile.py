@@ -25,6 +25,7 @@ import yaml
 
 from ..config import Profile
 from ..errors import UsageError
+from .documents import read_document
 from .memory import describe_key, run_key, same_run
 
 FORMAT = 1
@@ -69,14 +70,7 @@ def write_plan(path: str | Path, plan: Plan) -> None:
 def load_plan(path: str | Path, profile: Profile) -> Plan:
     """Read a plan and check it was made for `profile`'s run; one-line errors otherwise."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"plan {path}: no such file (write one with `moegraph plan --out`)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"plan {path}: not valid YAML{where}") from None
+    raw = read_document(path, "plan", "write one with `moegraph plan --out`", syntax="YAML")
     if not isinstance(raw, dict) or raw.get("moegraph_plan") != FORMAT:
         raise UsageError(f"plan {path}: not a moegraph plan (expected moegraph_plan: {FORMAT})")
     for name, typ in (("key", dict), ("pool", str), ("layers", list), ("pools", dict),

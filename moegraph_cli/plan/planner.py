@@ -23,13 +23,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
 from ..capability import check_capturable
 from ..errors import UsageError
 from ..runspec import RunSpec
 from ..units import fmt_bytes, parse_bytes
 from .calibration import lookup
+from .documents import read_document
 from .memory import (FRAGMENTATION, KIND_OF_SCOPE, STRATEGIES, Prediction, ScopeRef, StepModel,
                      describe_key, run_key, same_run, step_model)
 from .planfile import Plan, write_plan
@@ -64,13 +64,7 @@ def estimated_savings() -> Savings:
 def load_savings(path: str | Path, key: dict) -> Savings:
     """The per-scope savings file `moegraph profile --out` writes (YAML or JSON)."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"savings {path}: no such file (write one with `moegraph profile "
-                         "--out FILE` on a GPU)")
-    try:
-        raw = yaml.safe_load(path.read_text())  # JSON is YAML
-    except yaml.YAMLError:
-        raise UsageError(f"savings {path}: not valid YAML/JSON") from None
+    raw = read_document(path, "savings", "write one with `moegraph profile --out FILE` on a GPU")
     if not isinstance(raw, dict) or raw.get("moegraph_savings") != 1 \
             or not isinstance(raw.get("scopes"), dict):
         raise UsageError(f"savings {path}: not a moegraph savings file (expected "
