@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .capability import check_capturable
+from .errors import NotCapturableError
 from .harness import GraphTrainer, build_session, capture_into, device_info
 from .render import Progress
 from .runspec import RunSpec, build_model, pick_device
@@ -56,10 +57,9 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
         session = build_session(graph_model, run.scopes, run.pool)
         first = next(batch_iter())
         if not capture_into(graph_model, session, first):
-            raise_failure = session.failure
+            failure = session.failure
             session.uninstall()
-            from .errors import NotCapturableError
-            raise NotCapturableError(f"capture failed: {raise_failure}")
+            raise NotCapturableError(f"capture failed: {failure}")
         graph_trainer.session = session
         bar.advance("steps")
         if side_by_side:
