@@ -13,6 +13,10 @@ Layout contract (all int32, all on the routes' device, every shape static):
   segment e - 1 ends. The real extent `num_padded` is a device scalar; slots past it are unused.
 - capacity (keep_TK given, `capacity` = C): S = E * round_up(C, BM) exactly; segment e starts
   at e * round_up(C, BM). Routes with keep_TK False are dropped: they own no slot.
+- dropless with a mask (keep_TK given, capacity None): segments packed as in dropless, only
+  the kept routes own slots. `max_kept` bounds the kept routes (default N) and sizes
+  S = (cdiv(max_kept, BM) + E) * BM. Expert parallelism uses it: a rank computes only the
+  routes of the tokens it received whose expert it owns.
 - `slot_token [S]`: token of the route in the slot, sentinel T for a padding slot.
 - `slot_route [S]`: flat route id t*k + j, sentinel N.
 - `block_expert [S // BM]`: expert owning the block, -1 when the block holds no kept route
@@ -49,7 +53,8 @@ class RouteList(NamedTuple):
 
 
 def num_slots(num_routes: int, num_experts: int, block_m: int, capacity: int | None = None) -> int:
-    """Static slot count S for a dispatch mode (see the module docstring)."""
+    """Static slot count S for a dispatch mode (see the module docstring); `num_routes` is the
+    bound on kept routes in dropless mode."""
     if capacity is None:
         return (-(-num_routes // block_m) + num_experts) * block_m
     return num_experts * (-(-capacity // block_m) * block_m)
@@ -57,19 +62,22 @@ def num_slots(num_routes: int, num_experts: int, block_m: int, capacity: int | N
 
 def build_route_list(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
                      keep_TK: torch.Tensor | None = None,
-                     capacity: int | None = None) -> RouteList:
-    """Build the RouteList for `topk_ids_TK` [T, k] (ids in [0, E)); sync-free, deterministic.
+                     capacity: int | None = None, max_kept: int | None = None) -> RouteList:
+    """Build the RouteList for `topk_ids_TK` [T, k] (ids in [0, E) where kept); sync-free,
+    deterministic.
 
     Capacity mode takes the kept-route mask (moe/routing.capacity_keep_TK decides which routes
     survive) together with the capacity C that sizes the segments; C must bound every
-    expert's kept count.
+    expert's kept count. Dropless mode may take a mask too; `max_kept` must then bound the
+    number of kept routes.
     """
-    if (keep_TK is None) != (capacity is None):
-        raise ValueError("build_route_list: keep_TK and capacity go together (capacity mode)")
+    if capacity is not None and keep_TK is None:
+        raise ValueError("build_route_list: capacity mode needs the kept-route mask keep_TK")
     num_tokens, top_k = topk_ids_TK.shape
     num_routes = num_tokens * top_k
     dev = topk_ids_TK.device
-    S = num_slots(num_routes, num_experts, block_m, capacity)
+    bound = num_routes if capacity is not None or max_kept is None else min(max_kept, num_routes)
+    S = num_slots(bound, num_experts, block_m, capacity)
 
     ids_N = topk_ids_TK.reshape(-1).long()
     # Dropped routes get key E so the stable sort puts them after every expert's routes.

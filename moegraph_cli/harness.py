@@ -30,17 +30,38 @@ def scope_specs(model, scopes: list[str], layer_scopes: dict[int, list[str]] | N
     return out
 
 
-def build_session(model, scopes: list[str], pool: str, plan=None) -> GraphSession:
+def build_session(model, scopes: list[str], pool: str, plan=None, rt=None) -> GraphSession:
+    """A graph session over the model's scopes. Distributed (`rt`): FSDP2-sharded parameters
+    are moving (graph inputs, never baked), decisions are agreed across ranks, and CUDA capture
+    runs in thread_local mode (NCCL's watchdog thread keeps running); on the CPU the emulated
+    backend stands in for CUDA graphs."""
+    extra = {}
+    if rt is not None:
+        from .dist.model import is_sharded
+        from .graphs.backend import CudaGraphs, EmulatedGraphs
+
+        backend = CudaGraphs("thread_local") if rt.device.type == "cuda" else EmulatedGraphs()
+        extra = {"moving": lambda _name, p: is_sharded(p), "agree": rt.agree,
+                 "backend": backend}
     if plan is not None:
         return GraphSession(scope_specs(model, scopes, plan.layer_scopes()),
-                            groups=plan.scope_groups())
-    return GraphSession(scope_specs(model, scopes), strategy=pool)
+                            groups=plan.scope_groups(), **extra)
+    return GraphSession(scope_specs(model, scopes), strategy=pool, **extra)
 
 
-def capture_into(model, session: GraphSession, input_ids: torch.Tensor) -> bool:
-    """Record one forward, capture transactionally, install on success."""
+def capture_into(model, session: GraphSession, input_ids: torch.Tensor, rt=None) -> bool:
+    """Record one forward, capture transactionally, install on success. Distributed: install
+    only if every rank captured; a rank whose capture succeeded rolls back when another's
+    failed, so all ranks go on eagerly together."""
     session.record(lambda: model(input_ids, labels=input_ids))
     ok = session.capture()
+    if rt is not None:
+        everyone, reason = rt.all_ok(ok, session.failure)
+        if ok and not everyone:
+            session.rollback(f"another rank's capture failed ({reason})")
+        ok = everyone
+        if not ok and session.failure and not session.failure.startswith("rank"):
+            session.failure = reason
     if ok:
         session.install()
     return ok

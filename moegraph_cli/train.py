@@ -42,8 +42,17 @@ def load_token_file(path: str | Path) -> torch.Tensor:
 
 
 def batches(vocab_size: int, batch: int, seq_len: int, seed: int, device,
-            data: str | None = None, fixed: bool = False) -> Iterator[torch.Tensor]:
-    """Endless batches; `fixed` repeats step 0's batch (for overfitting checks)."""
+            data: str | None = None, fixed: bool = False, rank: int = 0,
+            world: int = 1) -> Iterator[torch.Tensor]:
+    """Endless batches; `fixed` repeats step 0's batch (for overfitting checks).
+
+    Data parallel: `batch` sequences per rank; step s's global batch is the one a single
+    process would draw with batch * world sequences, and rank r gets its rows
+    [r * batch, (r + 1) * batch). So a run on N ranks sees the same tokens as one process."""
+    if world > 1:
+        for ids in batches(vocab_size, batch * world, seq_len, seed, "cpu", data, fixed):
+            yield ids[rank * batch:(rank + 1) * batch].to(device)
+        return
     tokens = load_token_file(data) if data else None
     if tokens is not None:
         need = batch * seq_len

@@ -19,11 +19,17 @@ import torch
 
 
 class CudaGraphs:
+    """`capture_error_mode="thread_local"` lets other threads make CUDA calls that are unsafe
+    during capture (a distributed run's NCCL watchdog thread queries its events)."""
+
     name = "cuda"
+
+    def __init__(self, capture_error_mode: str = "global"):
+        self.capture_error_mode = capture_error_mode
 
     def capture(self, body: Callable[[], tuple], pool) -> tuple[object, tuple]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
             result = body()
         return graph, result
 

@@ -33,6 +33,7 @@ class PoolGroup:
     members: list = field(default_factory=list)
     eager_this_step: str | None = None  # first reason the group went eager this step
     pending_backward: int = 0  # forward replays whose backward has not replayed yet
+    agreed: bool = False  # decisions are agreed across ranks before each step (distributed)
 
     def new_step(self) -> None:
         self.eager_this_step = None

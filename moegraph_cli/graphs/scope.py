@@ -8,6 +8,11 @@ and adds the parameter gradients into their `.grad` buffers inside the graph, so
 eager steps accumulate identically (`.grad += g`) and no second copy of the gradients is
 kept in the pool.
 
+Moving parameters (see params.py; `moving(name, param)` picks them) are the exception: the
+graphs read shared static copies, refreshed before each forward and backward replay from the
+parameter objects the call passed, and their gradients are returned through autograd (a fresh
+tensor each, so the parameter's owner may keep or free it).
+
 Returned outputs alias graph-owned storage: they are valid until this scope's forward graph
 replays again (the next step). Gradients handed back for inputs alias the backward graph's
 static buffers likewise.
@@ -21,6 +26,7 @@ import torch
 
 from .backend import default_backend
 from .contract import Contract
+from .params import ParamBuffers, swapped_parameters
 from .pools import PoolGroup
 
 
@@ -33,6 +39,7 @@ class Counters:
     fallback_reason: str | None = None
     input_copies: int = 0  # forward inputs (and moved parameters) copied into static buffers
     grad_copies: int = 0  # backward grad-outputs copied into static buffers
+    param_copies: int = 0  # moving parameters copied in (forward and backward replays)
 
     def fall_back(self, reason: str) -> None:
         self.fallback += 1
@@ -42,10 +49,14 @@ class Counters:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scope: "GraphedScope", leaf_inputs: tuple, *inputs):
+    def forward(ctx, scope: "GraphedScope", leaf_inputs: tuple, num_inputs: int, *tensors):
+        inputs, moving = tensors[:num_inputs], tensors[num_inputs:]
         scope.load_inputs(inputs)
+        scope.load_moving(moving)
         scope.fwd_graph.replay()
-        ctx.scope, ctx.leaf_inputs = scope, leaf_inputs
+        # The moving parameters themselves (not their values now): the backward copies in
+        # whatever storage their owner gives them by then (FSDP2 gathers them again).
+        ctx.scope, ctx.leaf_inputs, ctx.moving = scope, leaf_inputs, moving
         outs = tuple(o.detach() for o in scope.static_outputs)
         ctx.mark_non_differentiable(*[o for o, s in zip(outs, scope.static_outputs)
                                       if not s.requires_grad])
@@ -55,19 +66,26 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         scope = ctx.scope
         scope.load_grad_outputs(grad_outputs)
+        scope.load_moving(ctx.moving)
         scope.bwd_graph.replay()
         scope.counters.backward_replayed += 1
         scope.group.pending_backward -= 1
         scope.pending = False
-        return (None, None, *scope.input_grads(ctx.leaf_inputs))
+        moving_grads = [g.clone() for g in scope.moving_grads]
+        return (None, None, None, *scope.input_grads(ctx.leaf_inputs), *moving_grads)
 
 
 class GraphedScope:
     def __init__(self, name: str, layer: int, kind: str, module: torch.nn.Module,
-                 group: PoolGroup | None, backend=None):
+                 group: PoolGroup | None, backend=None, moving=None,
+                 buffers: ParamBuffers | None = None):
         self.name, self.layer, self.kind, self.module = name, layer, kind, module
         self.backend = backend if backend is not None else default_backend()
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.moving_names = [n for n, p in named if moving is not None and moving(n, p)]
+        # Baked parameters keep one object and one address for the run: read in place.
+        self.params = [p for n, p in named if n not in self.moving_names]
+        self.buffers = buffers if buffers is not None else ParamBuffers()
         self.group = group if group is not None else PoolGroup(name, pooled=False)
         self.counters = Counters()
         self.pending = False
@@ -87,16 +105,49 @@ class GraphedScope:
         self.static_grad_outputs: list[torch.Tensor | None] = []
         self.static_input_grads: list[torch.Tensor | None] = []
         self.static_params: list[torch.Tensor] = []
+        self.moving_values: list[torch.nn.Parameter] = []
+        self.moving_grads: list[torch.Tensor] = []
         self.contract: Contract | None = None
         self.pending = False
+        self.forced_reason: str | None = None  # a fallback agreed for this step (distributed)
+
+    # -- moving parameters ------------------------------------------------------------
+    def current_moving(self) -> list[torch.Tensor]:
+        """The moving parameters as the module holds them now (inside an FSDP2 forward: the
+        unsharded ones)."""
+        named = dict(self.module.named_parameters())
+        return [named[n] for n in self.moving_names]
+
+    def _bind_moving(self) -> None:
+        """Static value and gradient buffers of the moving parameters, shared by role."""
+        if self.moving_values or not self.moving_names:
+            return
+        for name, p in zip(self.moving_names, self.current_moving()):
+            key = ParamBuffers.key(self.kind, name, p)
+            self.moving_values.append(self.buffers.value(key))
+            self.moving_grads.append(self.buffers.grad(key))
+
+    def _swapped(self):
+        return swapped_parameters(self.module, dict(zip(self.moving_names, self.moving_values)))
+
+    def load_moving(self, moving) -> None:
+        # `.data`: the shared buffers are rewritten between a scope's forward and its backward
+        # by design (each replay first copies its own values back in), so autograd's version
+        # counter, which the emulated backend's replays run under, must not see the copies.
+        with torch.no_grad():
+            for static, p in zip(self.moving_values, moving):
+                static.data.copy_(p.detach())
+        self.counters.param_copies += len(self.moving_values)
 
     def warm_up(self, inputs: list[torch.Tensor], iters: int) -> None:
         """Eager fwd+bwd on the current (side) stream: compile, autotune libraries, init."""
+        self._bind_moving()
         for _ in range(iters):
             ins = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-            outs = _as_tuple(self.eager(*ins))
+            with self._swapped():
+                outs = _as_tuple(self.eager(*ins))
             diff = [o for o in outs if o.requires_grad]
-            wrt = [t for t in ins if t.requires_grad] + self.params
+            wrt = [t for t in ins if t.requires_grad] + self.params + self.moving_values
             torch.autograd.grad(diff, wrt, grad_outputs=[torch.ones_like(o) for o in diff],
                                 allow_unused=True)
             del ins, outs, diff, wrt
@@ -109,10 +160,12 @@ class GraphedScope:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.contract = Contract.capture(self.module, self.static_inputs, self.params)
+        self._bind_moving()
+        self.contract = Contract.capture(self.module, self.static_inputs, self.params,
+                                         self.moving_values)
 
         def forward_body():
-            with torch.enable_grad():
+            with torch.enable_grad(), self._swapped():
                 outs = _as_tuple(self.eager(*self.static_inputs))
             self._autograd_outputs = outs
             return outs
@@ -137,11 +190,17 @@ class GraphedScope:
 
         def backward_body():
             diff = [o for o in self._autograd_outputs if o.requires_grad]
-            grads = torch.autograd.grad(diff, wrt_inputs + self.params, grad_outputs=grads_for,
-                                        allow_unused=True)
-            for p, g in zip(self.params, grads[len(wrt_inputs):]):
+            grads = torch.autograd.grad(diff, wrt_inputs + self.params + self.moving_values,
+                                        grad_outputs=grads_for, allow_unused=True)
+            n_in, n_baked = len(wrt_inputs), len(self.params)
+            for p, g in zip(self.params, grads[n_in:n_in + n_baked]):
                 if g is not None:
                     p.grad.add_(g)
+            for buf, g in zip(self.moving_grads, grads[n_in + n_baked:]):
+                if g is None:
+                    buf.zero_()
+                else:
+                    buf.copy_(g)
             it = iter(grads[:len(wrt_inputs)])
             return tuple(next(it) if t.requires_grad else None for t in self.static_inputs)
 
@@ -150,17 +209,31 @@ class GraphedScope:
         self.counters.captured += 1
 
     # -- replay -----------------------------------------------------------------------
+    def precheck(self) -> str | None:
+        """Every contract check that does not need the call's inputs (run before a step)."""
+        if self.fwd_graph is None or self.bwd_graph is None:
+            return "not captured"
+        return self.contract.check_state(self.module, self.params, self.current_moving())
+
     def __call__(self, *inputs):
         reason = None
+        moving = self.current_moving()
         if self.fwd_graph is None or self.bwd_graph is None:
             reason = "not captured"
+        elif self.forced_reason is not None:
+            reason = self.forced_reason
         elif self.group.eager_this_step is not None:
             reason = f"pool group {self.group.name} is eager this step " \
                      f"({self.group.eager_this_step})"
         elif self.pending:
             reason = "called again before its backward ran"
         else:
-            reason = self.contract.check(self.module, inputs, self.params)
+            reason = self.contract.check(self.module, inputs, self.params, moving)
+            if reason is not None and self.group.agreed:
+                # The ranks agreed before this step that this scope replays; deciding
+                # otherwise here, on one rank only, would leave a collective unmatched.
+                raise RuntimeError(f"{self.name}: contract broke after the ranks agreed to "
+                                   f"replay ({reason}); stopping instead of deadlocking")
         if reason is not None:
             self.counters.fall_back(reason)
             if self.group.pooled and self.group.eager_this_step is None:
@@ -170,7 +243,7 @@ class GraphedScope:
         self.group.pending_backward += 1
         self.counters.replayed += 1
         leaf = tuple(isinstance(t, torch.Tensor) and t.is_leaf for t in inputs)
-        return _Replay.apply(self, leaf, *inputs)
+        return _Replay.apply(self, leaf, len(inputs), *inputs, *moving)
 
     def eager(self, *inputs):
         return type(self.module).forward(self.module, *inputs)

@@ -11,6 +11,15 @@ Lifecycle:
 4. Per training step `new_step()` re-arms the pool groups; `stats()` has the counters and
    `pools()` the bytes each pool holds, read from the allocator's snapshot by pool id.
 This module knows nothing of MoE or of any model: a scope is a module and its inputs.
+
+Several processes (distributed training): graphs hold collectives, so whether a graph
+replays must be the same on every rank, or one rank waits in a collective the others skip.
+With `agree` given, `new_step()` runs every check that does not need the call's inputs
+(`GraphedScope.precheck`) on this rank, and `agree` (an all-reduce across ranks, supplied by
+the caller) turns the local reasons into the decisions of all ranks: a unit (a pooled group,
+or an unpooled scope) that fails anywhere runs eagerly everywhere for that step. A contract
+that breaks later, at the call, stops the run with an error instead of deciding alone.
+`moving(name, param)` marks parameters that are graph inputs (see params.py).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import Callable
 import torch
 
 from .backend import default_backend
+from .params import ParamBuffers
 from .pools import PoolGroup, capture_order, group_names, pool_bytes
 from .scope import GraphedScope, _as_tuple
 
@@ -37,8 +47,10 @@ class ScopeSpec:
 class GraphSession:
     def __init__(self, specs: list[ScopeSpec], strategy: str = "shared",
                  groups: dict[str, str | None] | None = None, warmup_iters: int = 3,
-                 backend=None):
+                 backend=None, moving=None, agree=None):
         self.backend = backend if backend is not None else default_backend()
+        self.agree = agree
+        self.buffers = ParamBuffers()
         gnames = group_names([s.name for s in specs], [s.kind for s in specs], strategy, groups)
         self.strategy = strategy if groups is None else "plan"
         self.warmup_iters = warmup_iters
@@ -49,9 +61,10 @@ class GraphSession:
             if gname is not None:
                 group = self.groups.setdefault(gname, PoolGroup(gname, pooled=True))
             scope = GraphedScope(spec.name, spec.layer, spec.kind, spec.module, group,
-                                 self.backend)
+                                 self.backend, moving=moving, buffers=self.buffers)
             if group is not None:
                 group.members.append(scope)
+            scope.group.agreed = agree is not None
             self.scopes.append(scope)
         self.sample_inputs: list[list[torch.Tensor]] | None = None
         self.chain: list[list[tuple[int, int] | None]] = []
@@ -183,6 +196,7 @@ class GraphSession:
             s.reset()
         for g in self.groups.values():
             g.release()
+        self.buffers.clear()
         self.installed = False
         self.captured = False
 
@@ -190,12 +204,30 @@ class GraphSession:
     def new_step(self) -> None:
         for s in self.scopes:
             s.pending = False
+            s.forced_reason = None
             s.group.new_step()
+        if self.agree is None or not self.installed:
+            return
+        local: dict[str, str | None] = {}
+        for s in self.scopes:
+            unit = s.group.name if s.group.pooled else s.name
+            if local.get(unit) is None:
+                reason = s.precheck()
+                local[unit] = f"{s.name}: {reason}" if reason else None
+        decided = self.agree(local)
+        for s in self.scopes:
+            reason = decided.get(s.group.name if s.group.pooled else s.name)
+            if reason is None:
+                continue
+            if s.group.pooled:
+                s.group.eager_this_step = reason
+            else:
+                s.forced_reason = reason
 
     def stats(self) -> dict:
         per = []
         tot = {"captured": 0, "replayed": 0, "backward_replayed": 0, "fallback": 0,
-               "input_copies": 0, "grad_copies": 0}
+               "input_copies": 0, "grad_copies": 0, "param_copies": 0}
         for s in self.scopes:
             c = s.counters
             row = {"name": s.name, "layer": s.layer, "kind": s.kind,
@@ -203,7 +235,7 @@ class GraphSession:
                    "captured": c.captured, "replayed": c.replayed,
                    "backward_replayed": c.backward_replayed, "fallback": c.fallback,
                    "fallback_reason": c.fallback_reason, "input_copies": c.input_copies,
-                   "grad_copies": c.grad_copies}
+                   "grad_copies": c.grad_copies, "param_copies": c.param_copies}
             per.append(row)
             for k in tot:
                 tot[k] += row[k]

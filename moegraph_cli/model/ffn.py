@@ -3,8 +3,11 @@
 MoeScope: post norm, router (fp32 softmax, top-k, optional renormalisation), experts, combine,
 residual. It returns the layer output and the layer's `[2, E]` load-balancing statistics, an
 extra output so the scope stays a pure tensors-in/tensors-out unit that can be graphed.
-The experts run through `reference_moe` (pure torch, the CPU path) or `permute_free_moe`
-(Triton, sync-free, the CUDA path); both have one signature.
+The experts run through `reference_experts` (pure torch, the CPU path) or
+`permute_free_experts` (Triton, sync-free, the CUDA path); both have one signature.
+With expert parallelism (`ep`) the scope holds only its EP rank's experts and the dispatch
+and combine collectives run inside it (moe/ep.py), so a captured moe graph contains them.
+Routes dropped by capacity are counted on the device in `dropped_routes` (no sync).
 """
 
 import torch
@@ -12,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, MoeConfig
-from ..moe.reference import reference_moe
-from ..moe.routing import aux_stats, route
+from ..moe.ep import EpGroup, ep_moe
+from ..moe.reference import reference_experts
+from ..moe.routing import aux_stats, local_dispatch, route
 from .norm import RMSNorm
 
 
@@ -22,23 +26,27 @@ def experts_fn(backend: str, device: torch.device):
     if backend == "auto":
         backend = "permute_free" if device.type == "cuda" else "reference"
     if backend == "permute_free":
-        from ..moe.experts import permute_free_moe
-        return permute_free_moe
-    return reference_moe
+        from ..moe.experts import permute_free_experts
+        return permute_free_experts
+    return reference_experts
 
 
 class MoeScope(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig):
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig, ep: EpGroup | None = None):
         super().__init__()
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        local = e if ep is None else ep.num_local
+        self.ep = ep
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.capacity_factor = moe.capacity
         self.backend = moe.backend
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.router = nn.Linear(h, e, bias=False)
-        self.w_gate_up = nn.Parameter(torch.empty(e, 2 * f, h))
-        self.w_down = nn.Parameter(torch.empty(e, h, f))
+        self.w_gate_up = nn.Parameter(torch.empty(local, 2 * f, h))
+        self.w_down = nn.Parameter(torch.empty(local, h, f))
+        self.register_buffer("dropped_routes", torch.zeros(1, dtype=torch.int64),
+                             persistent=False)
 
     def forward(self, h_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, seq, hidden = h_BSH.shape
@@ -46,8 +54,17 @@ class MoeScope(nn.Module):
         topk_ids_TK, topk_weights_TK, probs_TE = route(
             x_TH, self.router.weight, self.top_k, self.norm_topk_prob)
         experts = experts_fn(self.backend, x_TH.device)
-        y_TH = experts(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up, self.w_down,
-                       self.capacity_factor)
+        if self.ep is not None:
+            y_TH, dropped = ep_moe(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up,
+                                   self.w_down, self.capacity_factor, self.ep, experts)
+        else:
+            dispatch = local_dispatch(topk_ids_TK, topk_weights_TK, self.w_gate_up.shape[0],
+                                      self.capacity_factor)
+            y_TH = experts(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up, self.w_down,
+                           dispatch)
+            dropped = None if dispatch.keep_TK is None else (~dispatch.keep_TK).sum()
+        if dropped is not None:
+            self.dropped_routes.add_(dropped.reshape(1))
         return h_BSH + y_TH.view(batch, seq, hidden), aux_stats(topk_ids_TK, probs_TE)
 
 

@@ -36,13 +36,13 @@ class ModelOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig, layer_idx: int, ep=None):
         super().__init__()
         self.layer_idx = layer_idx
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.attn = AttentionScope(cfg)
         if self.is_moe:
-            self.moe = MoeScope(cfg, moe)
+            self.moe = MoeScope(cfg, moe, ep)
         else:
             self.mlp = DenseMlpScope(cfg)
 
@@ -51,23 +51,32 @@ class DecoderLayer(nn.Module):
         """The layer's second scope: `moe`, or `mlp` for a dense layer."""
         return self.moe if self.is_moe else self.mlp
 
-    def forward(self, x_BSH: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(layer output, the MoE layer's [2, E] router statistics or None). The statistics
+        are an output, not a side channel: FSDP2 re-gathers a layer's parameters when a
+        gradient reaches one of its outputs, and the aux loss's gradient reaches the router
+        through them."""
         h_BSH = self.attn(x_BSH)
         if self.is_moe:
-            y_BSH, stats_2E = self.ffn(h_BSH)
-            aux.append(stats_2E)
-            return y_BSH
-        return self.ffn(h_BSH)
+            return self.ffn(h_BSH)
+        return self.ffn(h_BSH), None
 
 
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig | None = None):
+    """`ep` (moe/ep.EpGroup): build only this expert-parallel rank's experts. `aux_reduce`, when
+    set (distributed data parallel), sums the pooled router statistics over all ranks
+    (differentiably) and `aux_world` scales the token count, so the aux loss is the one of the
+    global batch, as a single process computes it."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig | None = None, ep=None):
         super().__init__()
         self.config = cfg.validate()
         self.moe_config = (moe or MoeConfig()).validate()
+        self.aux_reduce = None
+        self.aux_world = 1
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.moe_config, i) for i in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, self.moe_config, i, ep) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else \
             nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -77,19 +86,16 @@ class Qwen3MoeModel(nn.Module):
     @classmethod
     def from_config(cls, cfg: ModelConfig, moe: MoeConfig | None = None, seed: int = 0,
                     dtype: torch.dtype | str = torch.bfloat16, device="cpu") -> "Qwen3MoeModel":
-        """Seeded random weights (HF's init: N(0, initializer_range), norms at one)."""
+        """Seeded random weights (HF's init: N(0, initializer_range), norms at one), the same
+        values a sharded model gets from `seeded_init_` (drawn in fp32, cast to dtype)."""
+        from .init import seeded_init_
+
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         with torch.device("meta"):
-            model = cls(cfg, moe)
+            model = cls(cfg, moe).to(dtype)
         model.to_empty(device=device)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, cfg.initializer_range, generator=gen)
-        return model.to(dtype)
+        seeded_init_(model, seed, cfg.initializer_range)
+        return model
 
     @classmethod
     def from_profile(cls, name: str = "tiny-qwen3-moe", seed: int | None = None,
@@ -128,11 +134,16 @@ class Qwen3MoeModel(nn.Module):
         self.rope_tables(input_ids.shape[1], x_BSH.dtype, x_BSH.device)
         aux_stats: list[torch.Tensor] = []
         for layer in self.layers:
-            x_BSH = layer(x_BSH, aux_stats)
+            x_BSH, stats_2E = layer(x_BSH)
+            if stats_2E is not None:
+                aux_stats.append(stats_2E)
         x_BSH = self.norm(x_BSH)
         w_head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x_BSH, w_head)
-        aux = aux_loss_from_stats(aux_stats, input_ids.numel()) if aux_stats else None
+        aux = None
+        if aux_stats:
+            aux = aux_loss_from_stats(aux_stats, input_ids.numel() * self.aux_world,
+                                      self.aux_reduce)
         loss = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels)

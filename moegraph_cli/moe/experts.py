@@ -26,7 +26,7 @@ from moegraph_kernels.gather_gemm import (GemmConfig, dact_config, dact_swiglu, 
 from moegraph_kernels.route_align import RouteList, build_route_list
 from moegraph_kernels.wgrad import expert_wgrad, wgrad_config
 
-from .routing import capacity_keep_TK, expert_capacity
+from .routing import Dispatch, local_dispatch
 
 # Tests set this (through `poisoned_scratch`) to allocate every output and scratch buffer
 # full of NaN instead of uninitialised, so a kernel that reads a row it must not, or leaves a
@@ -78,12 +78,16 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
 def build_routes(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
                  block_m: int, capacity_factor: float | None) -> RouteList:
     """The RouteList for one call: dropless, or capacity with moe/routing's keep rule."""
-    if capacity_factor is None:
-        return build_route_list(topk_ids_TK, num_experts, block_m)
-    num_tokens, top_k = topk_ids_TK.shape
-    cap = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-    keep_TK = capacity_keep_TK(topk_ids_TK, topk_weights_TK, num_experts, cap)
-    return build_route_list(topk_ids_TK, num_experts, block_m, keep_TK, cap)
+    keep_TK, cap, max_kept = local_dispatch(topk_ids_TK, topk_weights_TK, num_experts,
+                                            capacity_factor)
+    return build_route_list(topk_ids_TK, num_experts, block_m, keep_TK, cap, max_kept)
+
+
+def _route_bound(topk_ids_TK: torch.Tensor, dispatch: Dispatch) -> int:
+    """The most routes the slots must hold: what sizes the slot block (static)."""
+    if dispatch.keep_TK is not None and dispatch.capacity is None and dispatch.max_kept:
+        return min(dispatch.max_kept, topk_ids_TK.numel())
+    return topk_ids_TK.numel()
 
 
 class PermuteFreeMoE(torch.autograd.Function):
@@ -91,18 +95,20 @@ class PermuteFreeMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                capacity_factor, configs):
+                dispatch, configs):
         num_tokens, hidden = x_TH.shape
         num_experts, two_f, _ = w_gate_up_EFH.shape
         ffn = two_f // 2
         dev = x_TH.device
-        cfg = configs or tile_configs(topk_ids_TK.numel(), num_experts, hidden, ffn, dev)
+        if not isinstance(dispatch, Dispatch):  # a capacity factor (or None): decide here
+            dispatch = local_dispatch(topk_ids_TK, topk_weights_TK, num_experts, dispatch)
+        cfg = configs or tile_configs(_route_bound(topk_ids_TK, dispatch), num_experts, hidden,
+                                      ffn, dev)
         x_TH = x_TH.contiguous()
         w_gate_up_EFH = w_gate_up_EFH.contiguous()
         w_down_EHF = w_down_EHF.contiguous()
         weights_N = topk_weights_TK.reshape(-1).contiguous()
-        routes = build_routes(topk_ids_TK, topk_weights_TK, num_experts, cfg.route_block,
-                              capacity_factor)
+        routes = build_route_list(topk_ids_TK, num_experts, cfg.route_block, *dispatch)
         S = routes.num_slots
 
         y1 = _scratch((S, two_f), x_TH.dtype, dev)
@@ -172,6 +178,13 @@ def permute_free_moe_with_drops(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EF
     """(y_TH, num_dropped [1] int32 on the device); `configs` overrides the tile choice."""
     return PermuteFreeMoE.apply(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                                 capacity_factor, configs)
+
+
+def permute_free_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
+                         dispatch: Dispatch) -> torch.Tensor:
+    """The experts over the routes `dispatch` keeps; reference_experts' contract."""
+    return PermuteFreeMoE.apply(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
+                                dispatch, None)[0]
 
 
 def permute_free_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,

@@ -16,20 +16,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .routing import capacity_keep_TK, expert_capacity
+from .routing import Dispatch, local_dispatch
 
 
 def reference_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                   w_gate_up_EFH: torch.Tensor, w_down_EHF: torch.Tensor,
                   capacity_factor: float | None = None) -> torch.Tensor:
     """y_TH = sum_j p_tj * expert_{e_tj}(x_t), differentiable in x, weights and both w."""
-    num_tokens, top_k = topk_ids_TK.shape
-    num_experts = w_gate_up_EFH.shape[0]
-    keep_TK = None
-    if capacity_factor is not None:
-        cap = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-        keep_TK = capacity_keep_TK(topk_ids_TK, topk_weights_TK, num_experts, cap)
-    y_TKH = route_outputs(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF, keep_TK)
+    dispatch = local_dispatch(topk_ids_TK, topk_weights_TK, w_gate_up_EFH.shape[0],
+                              capacity_factor)
+    return reference_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
+                             dispatch)
+
+
+def reference_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
+                      dispatch: Dispatch) -> torch.Tensor:
+    """The experts over the routes `dispatch` keeps (all when keep_TK is None)."""
+    top_k = topk_ids_TK.shape[1]
+    y_TKH = route_outputs(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
+                          dispatch.keep_TK)
     out_TH = y_TKH[:, 0].float()
     for j in range(1, top_k):
         out_TH = out_TH + y_TKH[:, j].float()

@@ -15,6 +15,7 @@ Everything here is sync-free: no .item(), no bincount, no nonzero.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +41,12 @@ def aux_stats(topk_ids_TK: torch.Tensor, probs_TE: torch.Tensor) -> torch.Tensor
     return torch.stack([counts_E, probs_TE.sum(dim=0)])
 
 
-def aux_loss_from_stats(stats: list[torch.Tensor], num_tokens: int) -> torch.Tensor:
-    """HF's pooled load-balancing loss from every MoE layer's `[2, E]` statistics."""
+def aux_loss_from_stats(stats: list[torch.Tensor], num_tokens: int, reduce=None) -> torch.Tensor:
+    """HF's pooled load-balancing loss from every MoE layer's `[2, E]` statistics; `reduce`
+    (distributed) sums the pooled statistics over ranks, num_tokens then counts all ranks'."""
     total = torch.stack(stats).sum(dim=0)
+    if reduce is not None:
+        total = reduce(total)
     rows = num_tokens * len(stats)
     num_experts = total.shape[-1]
     return torch.sum((total[0] / rows) * (total[1] / rows)) * num_experts
@@ -73,3 +77,24 @@ def capacity_keep_TK(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, n
     keep_N = torch.empty_like(ids_N, dtype=torch.bool)
     keep_N[order_N] = rank_sorted < capacity
     return keep_N.view_as(topk_ids_TK)
+
+
+class Dispatch(NamedTuple):
+    """Which routes the experts compute, and how their slots are sized (static shapes).
+
+    keep_TK None: every route (dropless). With `capacity` C: at most C kept routes per expert
+    (segments of round_up(C, BM) slots). keep_TK without capacity: dropless over the kept routes
+    only, at most `max_kept` of them (expert parallelism: the routes a rank owns)."""
+    keep_TK: torch.Tensor | None = None
+    capacity: int | None = None
+    max_kept: int | None = None
+
+
+def local_dispatch(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
+                   capacity_factor: float | None) -> Dispatch:
+    """One process's dispatch: dropless, or capacity C = ceil(T*k*F/E) with the keep rule."""
+    if capacity_factor is None:
+        return Dispatch()
+    num_tokens, top_k = topk_ids_TK.shape
+    cap = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+    return Dispatch(capacity_keep_TK(topk_ids_TK, topk_weights_TK, num_experts, cap), cap)
