@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import render
-from .errors import EXIT_ERROR, MoegraphError
+from .errors import EXIT_ERROR, EXIT_PARITY, MoegraphError, UsageError
 
 app = typer.Typer(
     name="moegraph", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -32,6 +32,22 @@ ScopesOpt = Annotated[Optional[str], typer.Option(
     "--scopes", help="Comma list of scopes to graph: attn, moe (default: the profile's).")]
 PoolOpt = Annotated[Optional[str], typer.Option(
     "--pool", help="Pool strategy: shared, per_scope or per_entry (default: the profile's).")]
+NprocOpt = Annotated[Optional[int], typer.Option(
+    "--nproc", help="Run on N local processes, one per GPU, started by torch.distributed.run "
+    "(run.batch is per rank). Also works under torchrun.")]
+EpOpt = Annotated[int, typer.Option(
+    "--ep", help="Expert-parallel degree: each of E ranks owns num_experts/E experts; E divides "
+    "the world size and the number of experts.")]
+
+
+def _fail(message: str, code: int) -> None:
+    """One line for the user; inside a launched rank, handed to the launcher instead."""
+    from .dist.launch import report_error, worker_env
+
+    if worker_env() is not None:
+        report_error(message, code)
+    else:
+        render.error(message)
 
 
 def command(fn):
@@ -45,14 +61,33 @@ def command(fn):
         except MoegraphError as e:
             if os.environ.get("MOEGRAPH_DEBUG") == "1":
                 raise
-            render.error(str(e))
+            _fail(str(e), e.exit_code)
             raise typer.Exit(e.exit_code) from None
         except Exception as e:  # noqa: BLE001 - the CLI promises no raw tracebacks
             if os.environ.get("MOEGRAPH_DEBUG") == "1":
                 raise
-            render.error(f"internal error: {type(e).__name__}: {e} (MOEGRAPH_DEBUG=1 shows more)")
+            _fail(f"internal error: {type(e).__name__}: {e} (MOEGRAPH_DEBUG=1 shows more)",
+                  EXIT_ERROR)
             raise typer.Exit(EXIT_ERROR) from None
     return wrapper
+
+
+def _distribute(spec, nproc: Optional[int], ep: int) -> None:
+    """In the launching process: check --nproc/--ep against the model, then start the ranks
+    (this process waits and exits with the job's code). Inside a rank: nothing."""
+    from .dist.launch import maybe_launch, worker_env
+    from .dist.runtime import check_parallelism
+
+    if worker_env() is None:
+        if nproc is not None and nproc < 1:
+            raise UsageError(f"--nproc must be at least 1, got {nproc}")
+        if ep != 1 and (nproc or 1) == 1:
+            raise UsageError(f"--ep {ep} needs several processes: add --nproc N (or start the "
+                             "command with torchrun)")
+        check_parallelism(nproc or 1, ep, spec.profile.model.num_experts)
+    code = maybe_launch(sys.argv[1:], nproc)
+    if code is not None:
+        raise typer.Exit(code)
 
 
 def _overrides(sets: Optional[list[str]], scopes: Optional[str] = None,
@@ -148,18 +183,24 @@ def capture(
     plan_file: Annotated[Optional[str], typer.Option(
         "--plan", help="Follow a plan YAML written by `moegraph plan`.")] = None,
     memory_limit: Annotated[Optional[str], typer.Option(
-        help="Cap this process's GPU memory, e.g. 80GiB, to emulate a smaller GPU.")] = None,
+        help="Cap each process's GPU memory, e.g. 80GiB, to emulate a smaller GPU.")] = None,
+    nproc: NprocOpt = None,
+    ep: EpOpt = 1,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
 ):
     """Eager warm-up, capture attn/moe fwd+bwd graphs, replay; eager vs graph table."""
     from .capture import capture_command
+    from .dist.context import command_runtime
     from .runspec import resolve
 
     spec = resolve(profile, checkpoint, _overrides(set_, scopes, pool))
-    result = capture_command(spec, steps=steps, warmup=warmup, plan_file=plan_file,
-                             memory_limit=memory_limit, progress=not json_out)
-    render.capture_result(result, json_out)
+    _distribute(spec, nproc, ep)
+    with command_runtime(spec, ep) as rt:
+        result = capture_command(spec, steps=steps, warmup=warmup, plan_file=plan_file,
+                                 memory_limit=memory_limit, progress=not json_out, rt=rt)
+    if result is not None:
+        render.capture_result(result, json_out)
 
 
 @app.command()
@@ -200,20 +241,30 @@ def verify(
     tolerance: Annotated[float, typer.Option(
         help="Relative loss tolerance when lr > 0.")] = 2e-2,
     reference: Annotated[Optional[str], typer.Option(
-        help="Also check logits against `transformers` (needs it installed).")] = None,
+        help="Also check against `transformers` (logits; needs it installed) or `single` "
+        "(with --nproc: the same global batches in one process, per-step losses).")] = None,
+    nproc: NprocOpt = None,
+    ep: EpOpt = 1,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
 ):
     """Same batches, eager vs graph: losses bitwise equal at lr 0; gradients compared."""
+    from .dist.context import command_runtime
     from .runspec import resolve
     from .verify import verify_command
 
     spec = resolve(profile, checkpoint, _overrides(set_, scopes, pool))
-    result = verify_command(spec, lr0=lr0, steps=steps, tolerance=tolerance,
-                            reference=reference, progress=not json_out)
+    _distribute(spec, nproc, ep)
+    with command_runtime(spec, ep) as rt:
+        result = verify_command(spec, lr0=lr0, steps=steps, tolerance=tolerance,
+                                reference=reference, progress=not json_out, rt=rt)
+    if result is None:
+        return
     render.verify_result(result, json_out)
     if not result["passed"]:
-        raise typer.Exit(3)
+        if rt is not None:
+            _fail(f"verify failed: {result['verdict']}", EXIT_PARITY)
+        raise typer.Exit(EXIT_PARITY)
 
 
 def main() -> None:

@@ -1,4 +1,8 @@
-"""`moegraph capture`: eager steps, transactional capture, replayed steps, side by side."""
+"""`moegraph capture`: eager steps, transactional capture, replayed steps, side by side.
+
+Distributed (`rt`, one rank of a `--nproc` / torchrun job): every rank runs the same sequence
+on its slice of the global batch; capture is installed only if every rank captured; rank 0
+returns one document with every rank's figures (other ranks return None)."""
 
 from __future__ import annotations
 
@@ -7,10 +11,10 @@ import time
 import torch
 
 from .capability import check_capturable
-from .errors import UsageError
+from .errors import MoegraphError, UsageError
 from .flops import peak_flops, step_flops
-from .harness import (GraphTrainer, build_session, capture_into, device_info, peaks,
-                      reset_peaks, set_memory_limit, timed_steps)
+from .harness import (build_session, capture_into, device_info, dropped_routes, make_trainer,
+                      peaks, reset_peaks, set_memory_limit, timed_steps)
 from .render import Progress
 from .runspec import RunSpec, build_model, pick_device
 from .train import batches
@@ -19,9 +23,9 @@ from .units import parse_bytes
 
 def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None = None,
                     plan_file: str | None = None, memory_limit: str | None = None,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, rt=None) -> dict | None:
     prof, run = spec.profile, spec.profile.run
-    device = pick_device(run.device, need_cuda=True)
+    device = pick_device(run.device if rt is None else str(rt.device), need_cuda=True)
     plan = None
     if plan_file:
         from .plan.planfile import load_plan
@@ -35,25 +39,36 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
                              if memory_limit else None, device)
 
     torch.manual_seed(run.seed)
-    model = build_model(spec, device)
-    trainer = GraphTrainer(model, run.lr, run.weight_decay)
-    it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, device, run.data)
-    tokens = run.batch * run.seq_len
+    model = build_model(spec, device, rt=rt)
+    trainer = make_trainer(model, run.lr, run.weight_decay, rt)
+    rank, world = (0, 1) if rt is None else (rt.rank, rt.world)
+    it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, device, run.data,
+                 rank=rank, world=world)
+    tokens = run.batch * run.seq_len  # per rank
     flops, peak = step_flops(prof.model, run.batch, run.seq_len), peak_flops(device)
 
     total = 2 * (warmup + steps) + 1
-    with Progress(progress, total, "eager steps") as bar:
+    with Progress(progress and rank == 0, total, "eager steps") as bar:
+        def tick():
+            bar.advance()
+            if rt is not None:
+                rt.beat()
+
         reset_peaks()
-        eager = timed_steps(trainer, it, steps, warmup, on_step=bar.advance)
+        dropped_routes(model, reset=True)
+        eager = timed_steps(trainer, it, steps, warmup, on_step=tick)
         eager.update(peaks())
+        eager["dropped_routes"] = dropped_routes(model, reset=True)
         del eager["all_ms"]
         torch.cuda.empty_cache()
         reset_peaks()
 
         bar.describe("capturing")
-        session = build_session(model, run.scopes, run.pool, plan)
+        if rt is not None:
+            rt.beat("capture")
+        session = build_session(model, run.scopes, run.pool, plan, rt)
         t0 = time.perf_counter()
-        ok = capture_into(model, session, next(it))
+        ok = capture_into(model, session, next(it), rt)
         capture_s = time.perf_counter() - t0
         # What capture needed at its peak (warm-up included) is reported on its own; the
         # graph-phase peak below is the steady state, with capture's leftovers released.
@@ -63,15 +78,21 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         trainer.session = session if ok else None
         bar.advance("graph steps" if ok else "eager steps (capture rolled back)")
         failure = session.failure
+        dropped_routes(model, reset=True)  # warm-up and recording ran the experts too
         try:
-            graph = timed_steps(trainer, it, steps, warmup, on_step=bar.advance)
+            graph = timed_steps(trainer, it, steps, warmup, on_step=tick)
         except torch.OutOfMemoryError as e:
+            if rt is not None:
+                # The other ranks are inside this step's collectives: no rank can go on alone.
+                raise MoegraphError(f"out of memory during graph steps with the pools "
+                                    f"captured: {str(e).splitlines()[0]}") from None
             # Graph pools left too little for the eager parts: roll back and go on eagerly.
             session.rollback(f"OutOfMemoryError during graph steps: {str(e).splitlines()[0]}")
             failure, trainer.session = session.failure, None
             torch.cuda.empty_cache()
-            graph = timed_steps(trainer, it, steps, 0, on_step=bar.advance)
+            graph = timed_steps(trainer, it, steps, 0, on_step=tick)
         graph.update(peaks())
+        graph["dropped_routes"] = dropped_routes(model)
         del graph["all_ms"]
         pools = session.pools() if session.captured else []
     stats = session.stats()
@@ -96,10 +117,20 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         "counters": stats["totals"], "per_scope": stats["scopes"],
         "pools": pools, "pool_total_bytes": sum(p["bytes"] for p in pools),
         "failure": failure, "fallback_reasons": reasons, "memory_limit": limit,
-        "step_flops": flops, **device_info(),
+        "step_flops": flops, "tokens_per_rank": tokens,
+        "dropped_routes": eager["dropped_routes"] + graph["dropped_routes"],
+        **device_info(),
     }
     if plan is not None:
         result["plan"] = {"file": plan_file, "predicted_peak": plan.predicted_peak,
                           "measured_peak_reserved": graph["peak_reserved"]}
     session.uninstall()
-    return result
+    if rt is None:
+        return result
+    from .dist.context import merge_ranks
+    docs = rt.gather_all(result)
+    if rt.rank != 0:
+        return None
+    merged = merge_ranks(docs, rt)
+    merged["dropped_routes"] = sum(d["dropped_routes"] for d in docs)
+    return merged

@@ -80,6 +80,24 @@ class GraphTrainer(Trainer):
         return super().step(input_ids)
 
 
+def make_trainer(model, lr: float, weight_decay: float = 0.0, rt=None) -> GraphTrainer:
+    if rt is None:
+        return GraphTrainer(model, lr, weight_decay)
+    from .dist.trainer import DistTrainer
+    return DistTrainer(model, lr, weight_decay, rt)
+
+
+def dropped_routes(model, reset: bool = False) -> int:
+    """Routes dropped by capacity since the last reset, over this process's MoE layers."""
+    total = 0
+    for name, buf in model.named_buffers():
+        if name.endswith("dropped_routes"):
+            total += int(buf.sum())
+            if reset:
+                buf.zero_()
+    return total
+
+
 def timed_steps(trainer: Trainer, batch_iter: Iterator[torch.Tensor], steps: int,
                 warmup: int = 0, on_step: Callable[[], None] | None = None) -> dict:
     """Run warm-up then timed steps; per-step ms from CUDA events (host clock on CPU)."""

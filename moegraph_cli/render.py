@@ -138,6 +138,25 @@ def capture_result(r: dict, as_json: bool) -> None:
         out.print(f"capture failed and rolled back: {r['failure']}", markup=False)
     for reason in r.get("fallback_reasons", []):
         out.print(f"fallback: {reason}", markup=False)
+    if r.get("moe_mode") == "capacity" or r.get("dropped_routes"):
+        out.print(f"dropped routes (capacity, all ranks): {r.get('dropped_routes', 0)}")
+    ranks_table(r)
+
+
+def ranks_table(r: dict) -> None:
+    """Distributed runs: each rank's own figures (step time, memory, counters)."""
+    if not r.get("ranks"):
+        return
+    t = _table(f"per rank: world {r['world_size']}, ep {r['ep']}",
+               ["rank", "eager ms", "graph ms", "eager peak reserved", "graph peak reserved",
+                "captured", "replayed", "fallback"])
+    for row in r["ranks"]:
+        e, g, c = row.get("eager") or {}, row.get("graph") or {}, row.get("counters") or {}
+        t.add_row(str(row["rank"]), _ms(e.get("step_ms")), _ms(g.get("step_ms")),
+                  fmt_bytes(e.get("peak_reserved")), fmt_bytes(g.get("peak_reserved")),
+                  str(c.get("captured", "-")), str(c.get("replayed", "-")),
+                  str(c.get("fallback", "-")))
+    out.print(t)
 
 
 def profile_result(r: dict, as_json: bool) -> None:
@@ -186,14 +205,29 @@ def verify_result(r: dict, as_json: bool) -> None:
     out.print(t)
     out.print(f"gradient max-abs difference: {r['grad_max_abs']:.3g} "
               f"(largest in {r['grad_worst']})")
-    if r.get("reference"):
-        ref = r["reference"]
+    ref = r.get("reference")
+    if ref and ref.get("kind") == "single":
+        t = _table(f"distributed ({r['world_size']} ranks) vs one process, same global batches",
+                   ["step", "distributed loss", "single loss", "relative"])
+        for i, (a, b) in enumerate(zip(ref["distributed_losses"], ref["single_losses"])):
+            t.add_row(str(i), f"{a:.9g}", f"{b:.9g}", f"{abs(a - b) / max(abs(b), 1e-12):.3g}")
+        out.print(t)
+    elif ref:
         out.print(f"logits vs {ref['impl']} (fp32 copies of both): max-abs {ref['max_abs']:.3g} "
                   f"(tolerance {ref['tolerance']:g})")
     c = r.get("counters", {})
     if c:
         out.print(f"graph side: captured {c['captured']}  replayed {c['replayed']}  "
                   f"fallback {c['fallback']}")
+    if r.get("ranks"):
+        t = _table("per rank", ["rank", "losses bitwise equal", "grad max-abs", "fallback",
+                                "passed"])
+        for row in r["ranks"]:
+            t.add_row(str(row["rank"]), "yes" if row.get("bitwise_equal") else "no",
+                      f"{row.get('grad_max_abs', 0):.3g}",
+                      str((row.get("counters") or {}).get("fallback", "-")),
+                      "yes" if row.get("passed") else "no")
+        out.print(t)
     out.print(("PASS: " if r["passed"] else "FAIL: ") + r["verdict"], markup=False)
 
 

@@ -49,7 +49,11 @@ def pick_device(name: str = "auto", need_cuda: bool = False) -> torch.device:
     return torch.device(name)
 
 
-def build_model(spec: RunSpec, device: torch.device, seed: int | None = None):
+def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt=None):
+    """The model of this process: whole, or (distributed, `rt`) this rank's shard."""
+    if rt is not None:
+        from .dist.model import build_sharded_model
+        return build_sharded_model(spec, rt, seed)
     from .model import Qwen3MoeModel
 
     prof = spec.profile

@@ -36,11 +36,26 @@ def is_sharded(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor)
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce(SUM) whose backward is all_reduce(SUM) of the gradient: every rank's loss
+    uses the sum, so each rank's input gets the sum of all ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        out = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _sum_over_ranks(group):
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_reduce
-        return all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return reduce
+    return lambda t: _SumOverRanks.apply(t, group)
 
 
 def _set_sum_reduction(module) -> None:

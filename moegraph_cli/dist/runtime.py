@@ -56,6 +56,12 @@ class Runtime:
     dp_size: int
     fsdp_mesh: object
     control: object  # gloo group for decisions
+    watchdog: object = None  # dist/watchdog.Watchdog while a command runs
+
+    def beat(self, phase: str | None = None) -> None:
+        """A heartbeat for the step watchdog (a captured collective has no timeout)."""
+        if self.watchdog is not None:
+            self.watchdog.phase(phase) if phase else self.watchdog.beat()
 
     @property
     def expert_range(self) -> tuple[int, int] | None:
