@@ -215,17 +215,23 @@ def profile(
         help="Write the per-scope savings file (read by `moegraph plan`) here.")] = None,
     calibrate: Annotated[Optional[str], typer.Option(
         help="Also capture one layer per scope and write pool sizes to this calibration file.")] = None,
+    nproc: NprocOpt = None,
+    ep: EpOpt = 1,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
 ):
     """Per-scope eager vs replay ms, kernels per step, MFU and an NVML memory timeline."""
+    from .dist.context import command_runtime
     from .profile import profile_command
     from .runspec import resolve
 
     spec = resolve(profile, checkpoint, _overrides(set_, scopes))
-    result = profile_command(spec, steps=steps, plot=plot, out=out, calibrate=calibrate,
-                             progress=not json_out)
-    render.profile_result(result, json_out)
+    _distribute(spec, nproc, ep)
+    with command_runtime(spec, ep) as rt:
+        result = profile_command(spec, steps=steps, plot=plot, out=out, calibrate=calibrate,
+                                 progress=not json_out, rt=rt)
+    if result is not None:
+        render.profile_result(result, json_out)
 
 
 @app.command()

@@ -10,6 +10,10 @@ One run on the GPU:
 An NVML sampler records device memory used and utilisation throughout (nvml.py).
 Outputs: the savings file `moegraph plan --savings` reads (--out, JSON), a calibration entry
 for `moegraph plan --calibration` (--calibrate FILE: see `calibrate`), and a PNG (--plot).
+
+Distributed (`rt`): every rank runs the same sequence (the per-scope replays too, since moe
+graphs hold collectives); rank 0 writes the files and returns one document with every rank's
+figures. A calibration is measured in one process (--calibrate is refused with --nproc).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from .errors import NotCapturableError, UsageError
 from .flops import peak_flops, step_flops
 from .graphs.contract import module_state
 from .graphs.scope import _as_tuple
-from .harness import (GraphTrainer, build_session, capture_into, device_info, peaks,
+from .harness import (build_session, capture_into, device_info, make_trainer, peaks,
                       reset_peaks, timed_steps)
 from .nvml import NvmlSampler
 from .plan.memory import run_key
@@ -44,9 +48,14 @@ SCOPE_REPS = 10
 
 def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
                     out: str | None = None, calibrate: str | None = None,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, rt=None) -> dict | None:
     prof, run = spec.profile, spec.profile.run
-    device = pick_device(run.device, need_cuda=True)
+    if calibrate and rt is not None:
+        raise UsageError("--calibrate measures one process; run it without --nproc")
+    device = pick_device(run.device if rt is None else str(rt.device), need_cuda=True)
+    rank, world = (0, 1) if rt is None else (rt.rank, rt.world)
+    if rank != 0:
+        plot = out = None
     check_capturable(prof, run.pool)
     if plot:
         from .plot import require_matplotlib
@@ -56,42 +65,49 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
     warmup = max(1, run.warmup)
 
     torch.manual_seed(run.seed)
-    model = build_model(spec, device)
-    trainer = GraphTrainer(model, run.lr, run.weight_decay)
-    it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, device, run.data)
+    model = build_model(spec, device, rt=rt)
+    trainer = make_trainer(model, run.lr, run.weight_decay, rt)
+    it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, device, run.data,
+                 rank=rank, world=world)
     flops, peak = step_flops(prof.model, run.batch, run.seq_len), peak_flops(device)
 
     with NvmlSampler(device.index if device.index is not None else torch.cuda.current_device()
-                     ) as nv, Progress(progress, 2 * (steps + warmup) + 4, "eager steps") as bar:
+                     ) as nv, Progress(progress and rank == 0, 2 * (steps + warmup) + 4,
+                                       "eager steps") as bar:
+        def tick(description=None):
+            bar.advance(description)
+            if rt is not None:
+                rt.beat()
+
         nv.mark("eager")
         reset_peaks()
-        eager = timed_steps(trainer, it, steps, warmup, on_step=bar.advance)
+        eager = timed_steps(trainer, it, steps, warmup, on_step=tick)
         eager.update(peaks())
         eager_counts = count_launches(lambda: trainer.step(next(it)))
-        bar.advance("capturing")
+        tick("capturing")
         torch.cuda.empty_cache()
 
         nv.mark("capture")
-        session = build_session(model, run.scopes, run.pool)
-        if not capture_into(model, session, next(it)):
+        session = build_session(model, run.scopes, run.pool, rt=rt)
+        if not capture_into(model, session, next(it), rt):
             failure = session.failure
             session.uninstall()
             raise NotCapturableError(f"capture failed and was rolled back: {failure}")
         trainer.session = session
         torch.cuda.empty_cache()
         reset_peaks()
-        bar.advance("graph steps")
+        tick("graph steps")
 
         nv.mark("graph")
-        graph = timed_steps(trainer, it, steps, warmup, on_step=bar.advance)
+        graph = timed_steps(trainer, it, steps, warmup, on_step=tick)
         graph.update(peaks())
         graph_counts = count_launches(lambda: trainer.step(next(it)))
         pools = session.pools()
-        bar.advance("per-scope timing")
+        tick("per-scope timing")
 
         nv.mark("per-scope")
         scopes = time_scopes(session, SCOPE_REPS)
-        bar.advance()
+        tick()
         stats = session.stats()
         nv.mark("end")
     session.uninstall()
@@ -120,6 +136,16 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
         "counters": stats["totals"], "nvml": nv.summary(), "step_flops": flops,
         "out": out, "plot": plot, "calibration": calibrate, **device_info(),
     }
+    if rt is not None:
+        from .dist.context import merge_ranks
+        docs = rt.gather_all(json.loads(json.dumps(result, default=str)))
+        if rank != 0:
+            return None
+        result = merge_ranks(docs, rt)
+        result["ranks"] = [{**row, **{k: d[k] for k in ("eager_step_ms", "graph_step_ms",
+                                                         "eager_peak_reserved",
+                                                         "graph_peak_reserved")}}
+                           for row, d in zip(result["ranks"], docs)]
     if out:
         write_savings(out, result)
     if calibrate:
@@ -178,7 +204,9 @@ def time_scopes(session, reps: int = SCOPE_REPS) -> list[dict]:
         grads = [None if g is None else g.detach().clone() for g in scope.static_grad_outputs]
 
         def eager(scope=scope, ins=ins, grads=grads):
-            outs = _as_tuple(scope.eager(*ins))
+            # Sharded (moving) parameters: the graphs' static copies stand in for them.
+            with scope.swapped():
+                outs = _as_tuple(scope.eager(*ins))
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 

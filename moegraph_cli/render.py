@@ -193,6 +193,16 @@ def profile_result(r: dict, as_json: bool) -> None:
     for k in ("out", "plot", "calibration"):
         if r.get(k):
             out.print(f"wrote {r[k]}")
+    if r.get("ranks"):
+        t = _table(f"per rank: world {r['world_size']}, ep {r['ep']}",
+                   ["rank", "eager ms", "graph ms", "eager peak reserved", "graph peak reserved",
+                    "fallback"])
+        for row in r["ranks"]:
+            t.add_row(str(row["rank"]), _ms(row.get("eager_step_ms")),
+                      _ms(row.get("graph_step_ms")), fmt_bytes(row.get("eager_peak_reserved")),
+                      fmt_bytes(row.get("graph_peak_reserved")),
+                      str((row.get("counters") or {}).get("fallback", "-")))
+        out.print(t)
 
 
 def verify_result(r: dict, as_json: bool) -> None:

@@ -127,7 +127,7 @@ class GraphedScope:
             self.moving_values.append(self.buffers.value(key))
             self.moving_grads.append(self.buffers.grad(key))
 
-    def _swapped(self):
+    def swapped(self):
         return swapped_parameters(self.module, dict(zip(self.moving_names, self.moving_values)))
 
     def load_moving(self, moving) -> None:
@@ -144,7 +144,7 @@ class GraphedScope:
         self._bind_moving()
         for _ in range(iters):
             ins = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-            with self._swapped():
+            with self.swapped():
                 outs = _as_tuple(self.eager(*ins))
             diff = [o for o in outs if o.requires_grad]
             wrt = [t for t in ins if t.requires_grad] + self.params + self.moving_values
@@ -165,7 +165,7 @@ class GraphedScope:
                                          self.moving_values)
 
         def forward_body():
-            with torch.enable_grad(), self._swapped():
+            with torch.enable_grad(), self.swapped():
                 outs = _as_tuple(self.eager(*self.static_inputs))
             self._autograd_outputs = outs
             return outs
