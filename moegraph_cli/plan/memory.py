@@ -43,6 +43,11 @@ A step (see `StepModel.predict`):
 The capture command first runs eager steps, so the prediction is the larger of that eager
 phase and the graph phase.
 
+Distributed runs (`parallel`, W ranks, P-way expert parallel): the same model predicts ONE
+rank; plan/parallel.py supplies its static memory (FSDP2-sharded dense parameters, E/P
+experts), its moe scope and the FSDP2 working set of the eager part. W = P = 1 is this file's
+single-process model, unchanged.
+
 Calibration (plan/calibration.py): measured per-scope sizes and per-entry pools replace the
 formulas; the same simulation run over the calibration's one-layer model, against that model's
 measured pools and eager peak reserved, gives offsets (allocator rounding, fragmentation,
@@ -92,25 +97,38 @@ def model_hash(prof: Profile) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def run_key(prof: Profile) -> dict:
-    """What a plan, a calibration or a savings file is valid for."""
+def run_key(prof: Profile, world: int = 1, ep: int = 1) -> dict:
+    """What a plan, a calibration or a savings file is valid for: the run, and its ranks
+    (`world` processes, `ep`-way expert parallel; batch is per rank)."""
     return {"profile": prof.name, "batch": prof.run.batch, "seq_len": prof.run.seq_len,
             "dtype": prof.run.dtype, "moe_mode": prof.moe.mode,
-            "capacity_factor": prof.moe.capacity, "model_hash": model_hash(prof)}
+            "capacity_factor": prof.moe.capacity, "model_hash": model_hash(prof),
+            "world": world, "ep": ep}
+
+
+def ranks_of(key: dict) -> tuple[int, int]:
+    """(world, ep) of a key; files written before distributed runs have neither: (1, 1)."""
+    return int(key.get("world") or 1), int(key.get("ep") or 1)
 
 
 def same_run(a: dict, b: dict) -> bool:
     """Keys equal except the profile name (a checkpoint's name is its directory)."""
     fields = ("batch", "seq_len", "dtype", "moe_mode", "capacity_factor", "model_hash")
-    return all(a.get(f) == b.get(f) for f in fields)
+    return all(a.get(f) == b.get(f) for f in fields) and ranks_of(a) == ranks_of(b)
+
+
+def describe_ranks(key: dict) -> str:
+    world, ep = ranks_of(key)
+    return "one process" if (world, ep) == (1, 1) else f"--nproc {world} --ep {ep}"
 
 
 def describe_key(key: dict) -> str:
     mode = key.get("moe_mode")
     if key.get("capacity_factor") is not None:
         mode = f"{mode} {key['capacity_factor']}"
+    ranks = "" if ranks_of(key) == (1, 1) else f", {describe_ranks(key)}"
     return (f"{key.get('profile')} (batch {key.get('batch')}, seq_len {key.get('seq_len')}, "
-            f"{key.get('dtype')}, {mode}, model {key.get('model_hash')})")
+            f"{key.get('dtype')}, {mode}, model {key.get('model_hash')}{ranks})")
 
 
 @dataclass
@@ -176,6 +194,9 @@ class StepModel:
     eager_offset: int = 0  # calibration: measured minus modelled eager peak (allocator, libs)
     pool_offsets: dict[str, int] = field(default_factory=dict)  # calibration, per strategy
     source: str = "analytical"
+    parallel: "Parallel | None" = None  # None: one process
+    fsdp: "FsdpLayout | None" = None  # a distributed rank's FSDP2 units (parallel.py)
+    static_breakdown: dict = field(default_factory=dict)  # dense / experts, this rank
 
     # -- the simulation ---------------------------------------------------------------
     def predict(self, captured: Sequence[bool], strategy: str) -> Prediction:
@@ -210,12 +231,16 @@ class StepModel:
         memory under a 76.2 GiB cap while allocating its 2.3 GiB log-softmax. A plan keeps
         this much beyond its predicted peak."""
         biggest_param = max((self._param_block(k) for k in self.kinds), default=0)
-        return max(self.tail["loss_saved"], self.tail["logits"], biggest_param)
+        room = max(self.tail["loss_saved"], self.tail["logits"], biggest_param)
+        if self.fsdp is not None:  # FSDP2's flat fp32 reduce-scatter input of the root
+            room = max(room, self.fsdp.largest_block())
+        return room
 
     def _param_block(self, kind: str) -> int:
         c, b = self.prof.model, DTYPE_BYTES[self.prof.run.dtype]
         if kind == "moe":
-            return b * c.num_experts * 2 * c.moe_intermediate_size * c.hidden_size
+            experts = c.num_experts // (self.parallel.ep if self.parallel else 1)
+            return b * experts * 2 * c.moe_intermediate_size * c.hidden_size
         if kind == "mlp":
             return b * c.intermediate_size * c.hidden_size
         return b * c.num_attention_heads * c.head_dim * c.hidden_size
@@ -266,10 +291,14 @@ class StepModel:
                 extra += 8 * self.prof.model.num_experts  # router statistics' grad-output
             scope_bytes[ref.name] = scope_bytes.get(ref.name, 0) + extra
             total += extra
+        if self.fsdp is not None:  # moving parameters' static value and gradient buffers
+            total += self.fsdp.moving_buffers(self.scopes, captured, scope_bytes)
         return total
 
     def _eager_dynamic(self, captured) -> tuple[int, str]:
         """Peak live bytes in the default pool over one step (static excluded)."""
+        if self.fsdp is not None:
+            return self.fsdp.eager_dynamic(self, captured)
         t = self.tail
         live = peak = self.stream  # embedding output: the residual stream
         where = "embedding"
@@ -444,20 +473,37 @@ def scope_refs(prof: Profile) -> list[ScopeRef]:
 
 
 def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | None = None,
-               fragmentation: float = FRAGMENTATION) -> StepModel:
+               fragmentation: float = FRAGMENTATION, parallel=None) -> StepModel:
     """The analytical model of `prof`'s step; a calibration entry (calibration.py) for the
-    same run replaces the per-scope numbers and adds the measured allocator offsets."""
+    same run replaces the per-scope numbers and adds the measured allocator offsets.
+    `parallel` (parallel.Parallel(world, ep)): the model of one rank of that distributed run;
+    None or (1, 1) is one process."""
+    from .parallel import fsdp_layout, moe_memory_ep, static_per_rank
+
     b = DTYPE_BYTES[prof.run.dtype]
     T, H, D = prof.run.batch * prof.run.seq_len, prof.model.hidden_size, prof.model.head_dim
-    kinds = {"attn": attn_memory(prof), "moe": moe_memory(prof, device_type),
-             "mlp": mlp_memory(prof)}
-    static = dict(static_memory(prof.model, prof.run.dtype))
+    if parallel is not None and parallel.single:
+        parallel = None
+    if parallel is not None and calibration is not None:
+        raise ValueError("a calibration is measured in one process; it cannot model a rank "
+                         f"of --nproc {parallel.world} --ep {parallel.ep}")
+    moe = moe_memory(prof, device_type) if parallel is None or parallel.ep == 1 else \
+        moe_memory_ep(prof, parallel, device_type)
+    kinds = {"attn": attn_memory(prof), "moe": moe, "mlp": mlp_memory(prof)}
+    if parallel is None:
+        static = dict(static_memory(prof.model, prof.run.dtype))
+    else:
+        static = static_per_rank(prof, parallel)[0]
+    breakdown = static_per_rank(prof, parallel or _ONE_PROCESS)[1]
     static["buffers"] = 2 * prof.run.seq_len * D * b  # rope cos/sin
     static["total"] += static["buffers"]
+    breakdown.update(buffer_bytes=static["buffers"], total_bytes=static["total"])
     model = StepModel(prof=prof, scopes=scope_refs(prof), kinds=kinds, static=static,
                       stream=b * T * H, tail=tail_memory(prof), fragmentation=fragmentation,
                       runtime=RUNTIME_BYTES if device_type == "cuda" else 0,
-                      runtime_graph=RUNTIME_GRAPH_BYTES if device_type == "cuda" else 0)
+                      runtime_graph=RUNTIME_GRAPH_BYTES if device_type == "cuda" else 0,
+                      parallel=parallel, static_breakdown=breakdown,
+                      fsdp=fsdp_layout(prof, parallel) if parallel is not None else None)
     if calibration is not None:
         apply_calibration(model, calibration)
     return model

@@ -1,0 +1,324 @@
+"""Memory of ONE rank of a distributed run (dist/): what `moegraph plan --nproc W --ep P`
+predicts. Nothing here allocates; memory.step_model uses it when W > 1 (W = P = 1 is the
+single process, modelled by memory.py alone).
+
+The run (dist/model.py, moe/ep.py, graphs/params.py), per rank, T = batch * seq_len tokens of
+its own (run.batch is per rank), b bytes per element of the run dtype:
+- Experts: E_l = E / P of every MoE layer's experts, plain tensors: weights, `.grad` and the
+  two AdamW states, 4 copies in b (as memory.static_memory counts a single process).
+- Dense parameters (embedding, lm head, attention, norms, router, dense MLP layers): FSDP2
+  `fully_shard` on dim 0 over all W ranks, by torch.chunk rules: rank 0 holds ceil(rows / W)
+  rows of every tensor, the most, so the plan is for rank 0. Sharded weight, grad and AdamW
+  states in b. One FSDP unit per decoder layer (its experts ignored) plus the root (embedding,
+  final norm, lm head).
+- FSDP2 working set (eager part of the step, graphs or not: collectives stay outside graphs):
+  a layer's unsharded parameters (b * U_i) live from its forward all-gather to the end of its
+  forward (reshard after forward), and again in its backward; the all-gather lands in a flat
+  buffer (b * G_i, G_i = W * shard_i with the per-tensor padding) and is copied out, and the
+  next unit is gathered while one runs (backward prefetch; in forward the next all-gather's
+  stream cannot reuse the blocks the default stream just freed), so a layer costs
+  b * (U_i + U_next + G) in forward and b * (U_i + U_prev + G) in backward. Its backward
+  leaves unsharded grads (b * U_i) that post-backward copies into an fp32 reduce-scatter
+  input (4 * G_i, MixedPrecisionPolicy(reduce_dtype=float32)) with an fp32 output shard
+  (4 * shard_i). The root is not resharded after forward: its unsharded parameters live for the
+  whole step, its lm-head grad from the lm-head backward to the root's reduce-scatter, which
+  runs last with all its grads and an fp32 buffer of the same numel.
+- MoE with P > 1 (moe/ep.py): the scope all-gathers x [T, H], the top-k weights and ids over
+  P ranks (R = P*T received rows) and runs its E_l experts over them; see `moe_memory_ep`.
+- Graphs: FSDP-sharded parameters are "moving" (graphs/params.py): the session keeps one set of
+  static value buffers and one of gradient buffers per scope kind (attn: every attention
+  parameter; moe: router and post norm; mlp: the whole dense MLP), unsharded, in b, outside
+  the pools, for the run; each backward replay returns a clone of the grads (the layer's
+  unsharded grads FSDP2 then reduce-scatters). Expert weights are read in place.
+Pools, I/O buffers, fragmentation, runtime workspaces and headroom are memory.py's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import Profile
+from ..moe.routing import expert_capacity
+from ..checkpoint import moegraph_shapes
+from ..summary import DTYPE_BYTES, layer_shapes
+from .memory import (ScopeMemory, _first_moe_layer, _param_bytes, expert_slots, rms_saved,
+                     route_block)
+
+EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """W ranks (--nproc), P-way expert parallelism (--ep); (1, 1) is one process."""
+
+    world: int = 1
+    ep: int = 1
+
+    @property
+    def single(self) -> bool:
+        return self.world == 1 and self.ep == 1
+
+
+def shard_numel(shape, world: int) -> int:
+    """Rank 0's share of a tensor sharded on dim 0 by torch.chunk (ceil(rows / W) rows); FSDP2
+    pads every rank's shard to this size."""
+    if not shape:
+        return 1
+    return -(-shape[0] // world) * math.prod(shape[1:])
+
+
+@dataclass
+class FsdpUnit:
+    name: str
+    numel: int  # U: unsharded elements
+    shard: int  # rank 0's (padded) shard elements
+    world: int
+
+    @property
+    def gathered(self) -> int:
+        """G: the all-gather's flat output (and the reduce-scatter's input), padded."""
+        return self.world * self.shard
+
+
+@dataclass
+class FsdpLayout:
+    """The FSDP2 units of one rank and the bytes the simulation charges for them."""
+
+    b: int
+    world: int
+    dp: int  # expert replicas (W / P): their grads are all-reduced after backward when > 1
+    root: FsdpUnit
+    layers: list[FsdpUnit]
+    kind_dense: dict[str, int]  # per scope kind: its moving (FSDP-sharded) parameter elements
+    head_grad: int  # bytes of the lm head's (or tied embedding's) unsharded grad
+    expert_block: int  # elements of the largest local expert stack [E_l, 2F, H]
+
+    # -- working sets -------------------------------------------------------------------
+    def _neighbour(self, layer: int, step: int) -> FsdpUnit | None:
+        j = layer + step
+        return self.layers[j] if 0 <= j < len(self.layers) else None
+
+    def working_set(self, layer: int, step: int) -> int:
+        """Unsharded params of `layer` and of the unit gathered next (forward: step +1,
+        backward: step -1) and one all-gather buffer, in b."""
+        unit, nxt = self.layers[layer], self._neighbour(layer, step)
+        numel = unit.numel + (nxt.numel if nxt else 0)
+        return self.b * (numel + max(unit.gathered, nxt.gathered if nxt else 0))
+
+    def reduce_scatter(self, unit: FsdpUnit) -> int:
+        """fp32 reduce-scatter input (padded, W shards) and its fp32 output shard."""
+        return 4 * unit.gathered + 4 * unit.shard
+
+    def largest_block(self) -> int:
+        """The largest single FSDP2 allocation: a flat fp32 reduce-scatter input."""
+        return max(4 * u.gathered for u in (self.root, *self.layers))
+
+    # -- graphs: moving parameters --------------------------------------------------------
+    def moving_buffers(self, scopes, captured, scope_bytes: dict[str, int]) -> int:
+        """One value and one gradient buffer set per captured scope kind, attributed to the
+        kind's first captured scope (so per-layer bytes still sum to pools + I/O)."""
+        total = 0
+        seen: set[str] = set()
+        for ref, cap in zip(scopes, captured):
+            if not cap or ref.kind in seen:
+                continue
+            seen.add(ref.kind)
+            extra = 2 * self.b * self.kind_dense.get(ref.kind, 0)
+            scope_bytes[ref.name] = scope_bytes.get(ref.name, 0) + extra
+            total += extra
+        return total
+
+    # -- the eager part of the step -----------------------------------------------------
+    def eager_dynamic(self, model, captured) -> tuple[int, str]:
+        """memory.StepModel._eager_dynamic with the FSDP2 working set; the moments of a
+        captured scope are its all-gather (forward) and its gradient clone (backward)."""
+        t, b = model.tail, self.b
+        root = self.b * self.root.numel
+        live = root  # the root's unsharded parameters: gathered once, kept all step
+        peak, where = root + b * self.root.gathered, "root all-gather"
+        live += model.stream
+        if live > peak:
+            peak, where = live, "embedding"
+        kept: list[int] = []
+        prev_eager = True
+        for ref, cap in zip(model.scopes, captured):
+            ws = self.working_set(ref.layer, +1)
+            if cap:
+                top, label = live + ws, f"forward of {ref.name} (FSDP all-gather)"
+                kept.append(0)
+                prev_eager = False
+            else:
+                m = model.kinds[ref.kind]
+                top, label = live + ws + m.saved + m.out + m.fwd_transient, \
+                    f"forward of {ref.name}"
+                keep = m.saved + (model.stream if m.saves_input and prev_eager else 0)
+                live += keep
+                kept.append(keep)
+                prev_eager = True
+            if top > peak:
+                peak, where = top, label
+        live += t["norm_saved"] + t["logits"]
+        if live + t["loss_fwd_transient"] > peak:
+            peak, where = live + t["loss_fwd_transient"], "loss forward"
+        live += t["loss_saved"]
+        if live + t["loss_bwd_transient"] > peak:
+            peak, where = live + t["loss_bwd_transient"], "loss backward"
+        live -= t["norm_saved"] + t["loss_saved"]
+        if live + t["head_bwd_transient"] > peak:
+            peak, where = live + t["head_bwd_transient"], "lm-head backward"
+        live += self.head_grad  # unsharded until the root's reduce-scatter, after everything
+        grads = 0  # this layer's unsharded grads so far (the scopes done in its backward)
+        n = len(model.scopes)
+        for i in range(n - 1, -1, -1):
+            ref, cap, keep = model.scopes[i], captured[i], kept[i]
+            ws = self.working_set(ref.layer, -1)
+            if cap:  # the replay's transients are in its pool; it returns a clone of the grads
+                top = live + ws + grads + b * self.kind_dense.get(ref.kind, 0)
+                label = f"backward of {ref.name} (gradient clone)"
+            else:
+                top = live + ws + grads + model.kinds[ref.kind].bwd_transient
+                label = f"backward of {ref.name}"
+            if top > peak:
+                peak, where = top, label
+            live -= keep
+            grads += b * self.kind_dense.get(ref.kind, 0)
+            if i == 0 or model.scopes[i - 1].layer != ref.layer:  # the layer's post-backward
+                unit = self.layers[ref.layer]
+                top = live + ws + grads + self.reduce_scatter(unit)
+                if top > peak:
+                    peak, where = top, f"reduce-scatter of {unit.name}"
+                grads = 0
+        if live + t["embed_bwd_transient"] > peak:
+            peak, where = live + t["embed_bwd_transient"], "embedding backward"
+        top = live - self.head_grad + b * self.root.numel + self.reduce_scatter(self.root)
+        if top > peak:
+            peak, where = top, "reduce-scatter of the root"
+        if self.dp > 1:  # expert grads summed over their replicas, one fp32 copy at a time
+            top = live - root - self.head_grad + 4 * self.expert_block
+            if top > peak:
+                peak, where = top, "expert-gradient all-reduce"
+        return peak, where
+
+
+def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
+    c, b, W = prof.model, DTYPE_BYTES[prof.run.dtype], parallel.world
+    shapes = moegraph_shapes(c)
+    numel: dict[str, int] = {}
+    shard: dict[str, int] = {}
+    for name, shape in shapes.items():
+        if name.endswith(EXPERT_STACKS):
+            continue
+        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        numel[unit] = numel.get(unit, 0) + math.prod(shape)
+        shard[unit] = shard.get(unit, 0) + shard_numel(shape, W)
+    kind_dense: dict[str, int] = {}  # the moving parameters of one scope of each kind
+    for i in range(c.num_hidden_layers):
+        per_kind: dict[str, int] = {}
+        for name, shape in layer_shapes(c, i).items():
+            kind = name.split(".")[0]
+            dense_part = 0 if name.endswith(EXPERT_STACKS) else math.prod(shape)
+            per_kind[kind] = per_kind.get(kind, 0) + dense_part
+        for kind, n in per_kind.items():
+            kind_dense.setdefault(kind, n)
+    head = shapes.get("lm_head.weight", shapes["embed_tokens.weight"])
+    units = [FsdpUnit(f"layers.{i}", numel.get(f"layers.{i}", 0),
+                      shard.get(f"layers.{i}", 0), W) for i in range(c.num_hidden_layers)]
+    return FsdpLayout(
+        b=b, world=W, dp=W // parallel.ep,
+        root=FsdpUnit("root", numel["root"], shard["root"], W), layers=units,
+        kind_dense=kind_dense, head_grad=b * math.prod(head),
+        expert_block=(c.num_experts // parallel.ep) * 2 * c.moe_intermediate_size
+        * c.hidden_size)
+
+
+def static_per_rank(prof: Profile, parallel: Parallel) -> tuple[dict[str, int], dict]:
+    """(static in memory.step_model's layout: weights, grads, optimizer, total; the
+    breakdown: rank 0's dense shard and its local experts, 4 copies each in b)."""
+    c, b, W = prof.model, DTYPE_BYTES[prof.run.dtype], parallel.world
+    dense = dense_shard = experts = 0
+    for name, shape in moegraph_shapes(c).items():
+        if name.endswith(EXPERT_STACKS):
+            experts += math.prod(shape)
+        else:
+            dense += math.prod(shape)
+            dense_shard += shard_numel(shape, W)
+    local_experts = experts // parallel.ep
+    n = dense_shard + local_experts
+    static = {"weights": n * b, "grads": n * b, "optimizer": 2 * n * b}
+    static["total"] = sum(static.values())
+    breakdown = {
+        "world": W, "ep": parallel.ep,
+        "dense_params": dense, "dense_params_per_rank": dense_shard,
+        "expert_params": experts, "expert_params_per_rank": local_experts,
+        "local_experts": c.num_experts // parallel.ep if c.num_experts else 0,
+        "dense_bytes": 4 * b * dense_shard, "expert_bytes": 4 * b * local_experts,
+    }
+    return static, breakdown
+
+
+def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") -> ScopeMemory:
+    """The moe scope of one EP rank (moe/ep.ep_moe), P > 1. Per rank: T source tokens (routed
+    here: norm, router, top-k as memory.moe_memory), R = P*T received rows, E_l local experts.
+
+    Forward: the all-gathers of x [T, H], the top-k weights [T, k] and the ids [T, k] give
+    x_RH, w_RK (both saved: the experts read them in backward) and ids_RK; the owned mask
+    (bool) and local ids (int64) [R, k] live through the experts. The permute-free experts run
+    over the received rows: dropless S = (cdiv(R*min(k, E_l), BM) + E_l) * BM slots with
+    BM = route_block(R*min(k, E_l), E_l); capacity C = ceil(T*k*cf/E) per expert at the source,
+    S = E_l * round_up(P*C, BM) with BM = route_block(R*k, E_l). Y1 [S, 2F] and the RouteList
+    over N = R*k routes are saved. The partial output [R, H] goes back by an all_to_all into a
+    receive buffer [R, H], summed in fp32 ([T, H]: the accumulator, one upcast block and the
+    sum alive together). Backward: the all-gather of dOut [R, H], the experts' backward over R
+    rows (dx_R [R, H], the weights' grads [R, k]), then the all_to_all back of dx_R into
+    [R, H] with the same fp32 sum. The reference backend's route count is data dependent:
+    bounded by R*min(k, E_l) (capacity: E_l*P*C)."""
+    c, run, b = prof.model, prof.run, DTYPE_BYTES[prof.run.dtype]
+    T, H, E, k, F = run.batch * run.seq_len, c.hidden_size, c.num_experts, \
+        c.num_experts_per_tok, c.moe_intermediate_size
+    P = parallel.ep
+    E_l, R = E // P, P * T
+    N, NR = T * k, R * k
+    capacity = None
+    if prof.moe.capacity is not None:
+        capacity = expert_capacity(T, k, E, prof.moe.capacity)
+    saved = rms_saved(T, H, b, True) + b * T * H  # post norm; x_TH (router, the all-gather)
+    saved += 4 * T * E + 8 * N  # softmax probs (fp32), top-k indices (int64)
+    if c.norm_topk_prob:
+        saved += 4 * N + 4 * T
+    backend = prof.moe.backend
+    if backend == "auto":
+        backend = "permute_free" if device_type == "cuda" else "reference"
+    full = _param_bytes(prof, _first_moe_layer(prof), "moe.")
+    expert_bytes = b * E * 3 * F * H
+    params = full - expert_bytes + expert_bytes // P  # router, post norm, E_l experts
+    ids = 17 * NR  # ids_RK (int64), the owned mask (bool), local ids (int64)
+    combine = 2 * b * R * H + 12 * T * H  # partial / dx_R and its receive buffer, fp32 sum
+    if backend == "reference":
+        routes = NR if capacity is None else min(NR, E_l * P * capacity)
+        routes = min(routes, R * min(k, E_l))
+        saved += routes * (16 + b * H + 16 * F + 4 + b * F)
+        fwd = max(2 * b * NR * H + 8 * R * H + b * R * H, combine) + b * T * H + ids
+        bwd = (b * T * H + params + 4 * T * E
+               + max(b * R * H + 2 * b * NR * H + 12 * R * H, combine + 2 * b * NR))
+    else:
+        if capacity is None:
+            bound = R * min(k, E_l)
+            block = route_block(bound, E_l, device_type)
+            S = expert_slots(bound, 1, E_l, block, None)
+        else:
+            block = route_block(NR, E_l, device_type)
+            S = expert_slots(NR, 1, E_l, block, P * capacity)
+        saved += b * R * H + b * NR  # x_RH, w_RK
+        saved += b * S * 2 * F  # Y1
+        saved += 8 * (S + 1) + 4 * (S // block) + 4 * NR + 8 * E_l + 8  # the RouteList
+        # experts: act + Y2 + the partial [R, H]; then the combine
+        fwd = max((4 + b) * T * H, b * S * F + b * S * H + b * R * H, combine) + b * T * H + ids
+        dp_part = 4 * S * max(1, F // 128)
+        experts_bwd = (b * R * H + b * S * 2 * F  # gathered dOut, dY1
+                       + max(b * S * F + dp_part, b * S * H + b * R * H)  # act | dx_S, dx_R
+                       + 4 * S + (4 + b) * NR)  # the weights' grads
+        bwd = b * T * H + params + max(experts_bwd, combine + 2 * b * NR) + 4 * T * E
+    return ScopeMemory("moe", saved, b * T * H + 8 * E, b * T * H, fwd, bwd, params,
+                       saves_input=b == 4)
+
