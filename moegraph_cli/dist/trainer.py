@@ -2,8 +2,10 @@
 (gradients are summed across ranks, see dist/model.py), expert gradients all-reduced over
 their replicas when ep < world, AdamW on the local shards.
 
-Sharded (DTensor) and plain (expert) parameters get separate optimizers: one fused AdamW call
-cannot mix DTensors with plain tensors. AdamW is elementwise, so this is the same update.
+AdamW runs on plain tensors: the sharded (DTensor) parameters through aliases of their local
+shards, their gradients likewise. A fused AdamW over DTensors works too but pays DTensor's
+dispatch on the host every step, which a launch-bound step cannot afford; AdamW is
+elementwise, so the update is the same bit for bit.
 """
 
 from __future__ import annotations
@@ -25,21 +27,34 @@ def _adamw(params: list, lr: float, weight_decay: float):
 
 
 class _Optimizers:
-    """zero_grad / step over the sharded and the plain parameters' optimizers."""
+    """One AdamW over plain tensors: the expert parameters and, for each sharded parameter,
+    an alias of its local shard (`to_local().detach()` shares the storage FSDP2 keeps for the
+    run). Gradients must exist (allocate_grads) and are zeroed in place, never set to None."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float):
         params = [p for p in model.parameters() if p.requires_grad]
-        self.parts = [o for o in (_adamw([p for p in params if is_sharded(p)], lr, weight_decay),
-                                  _adamw([p for p in params if not is_sharded(p)], lr,
-                                         weight_decay)) if o is not None]
+        self.sharded = [p for p in params if is_sharded(p)]
+        self.local = [p.to_local().detach() for p in self.sharded]
+        plain = [p for p in params if not is_sharded(p)]
+        self.optimizer = _adamw(self.local + plain, lr, weight_decay)
+        self.plain = plain
+
+    def _bind_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for p, local in zip(self.sharded, self.local):
+            local.grad = p.grad.to_local()
+            grads.append(local.grad)
+        return grads + [p.grad for p in self.plain]
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        for o in self.parts:
-            o.zero_grad(set_to_none=set_to_none)
+        grads = [g for g in self._bind_grads() if g is not None and g.numel()]
+        if grads:
+            torch._foreach_zero_(grads)
 
     def step(self) -> None:
-        for o in self.parts:
-            o.step()
+        self._bind_grads()
+        if self.optimizer is not None:
+            self.optimizer.step()
 
 
 class DistTrainer(GraphTrainer):

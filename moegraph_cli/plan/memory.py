@@ -61,10 +61,13 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..config import Profile
 from ..summary import DTYPE_BYTES, layer_shapes, static_memory
+
+if TYPE_CHECKING:
+    from .parallel import FsdpLayout, Parallel
 
 FRAGMENTATION = 0.05  # caching-allocator slack on dynamic bytes (pools and eager activations)
 # cuBLAS keeps a workspace per stream that runs a matmul, 32 MiB each on Hopper: the main
@@ -194,8 +197,8 @@ class StepModel:
     eager_offset: int = 0  # calibration: measured minus modelled eager peak (allocator, libs)
     pool_offsets: dict[str, int] = field(default_factory=dict)  # calibration, per strategy
     source: str = "analytical"
-    parallel: "Parallel | None" = None  # None: one process
-    fsdp: "FsdpLayout | None" = None  # a distributed rank's FSDP2 units (parallel.py)
+    parallel: Parallel | None = None  # None: one process
+    fsdp: FsdpLayout | None = None  # a distributed rank's FSDP2 units (parallel.py)
     static_breakdown: dict = field(default_factory=dict)  # dense / experts, this rank
 
     # -- the simulation ---------------------------------------------------------------
@@ -478,7 +481,7 @@ def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | Non
     same run replaces the per-scope numbers and adds the measured allocator offsets.
     `parallel` (parallel.Parallel(world, ep)): the model of one rank of that distributed run;
     None or (1, 1) is one process."""
-    from .parallel import fsdp_layout, moe_memory_ep, static_per_rank
+    from .parallel import Parallel, fsdp_layout, moe_memory_ep, static_per_rank
 
     b = DTYPE_BYTES[prof.run.dtype]
     T, H, D = prof.run.batch * prof.run.seq_len, prof.model.hidden_size, prof.model.head_dim
@@ -494,7 +497,7 @@ def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | Non
         static = dict(static_memory(prof.model, prof.run.dtype))
     else:
         static = static_per_rank(prof, parallel)[0]
-    breakdown = static_per_rank(prof, parallel or _ONE_PROCESS)[1]
+    breakdown = static_per_rank(prof, parallel or Parallel())[1]
     static["buffers"] = 2 * prof.run.seq_len * D * b  # rope cos/sin
     static["total"] += static["buffers"]
     breakdown.update(buffer_bytes=static["buffers"], total_bytes=static["total"])
