@@ -158,6 +158,12 @@ def plan(
         help="Per-scope savings file written by `moegraph profile`.")] = None,
     calibration: Annotated[Optional[str], typer.Option(
         help="Pool-size calibration file (from `moegraph profile --calibrate`).")] = None,
+    nproc: Annotated[Optional[int], typer.Option(
+        "--nproc", help="Plan one rank of a run on N processes (run.batch is per rank; the "
+        "budget is one GPU's). Nothing is launched.")] = None,
+    ep: Annotated[int, typer.Option(
+        "--ep", help="Expert-parallel degree of that run: each rank holds num_experts/E "
+        "experts; E divides N and the number of experts.")] = 1,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -167,7 +173,7 @@ def plan(
 
     spec = resolve(profile, checkpoint, _overrides(set_, scopes))
     result = plan_command(spec, budget=budget, pool=pool, out=out, savings=savings,
-                          calibration=calibration)
+                          calibration=calibration, nproc=nproc, ep=ep)
     render.plan_result(result, json_out)
 
 

@@ -29,7 +29,7 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
     plan = None
     if plan_file:
         from .plan.planfile import load_plan
-        plan = load_plan(plan_file, prof)
+        plan = load_plan(plan_file, prof, *((1, 1) if rt is None else (rt.world, rt.ep_size)))
     check_capturable(prof, None if plan else run.pool)
     steps = run.steps if steps is None else steps
     warmup = run.warmup if warmup is None else warmup

@@ -119,7 +119,7 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
     for phase in (eager, graph):
         del phase["all_ms"]
         phase["mfu"] = flops / (phase["step_ms"] / 1e3) / peak if peak else None
-    key = run_key(prof)
+    key = run_key(prof, world, 1 if rt is None else rt.ep_size)
     result = {
         "profile": prof.name, "source": spec.source, "key": key, "scopes_requested": run.scopes,
         "pool": run.pool, "steps": steps, "scopes": scopes,

@@ -75,7 +75,9 @@ def plan_result(r: dict, as_json: bool) -> None:
         return emit_json(r)
     budget = fmt_bytes(r["budget"]) + (f" ({r['budget_note']})" if r.get("budget_note") not in
                                        (None, "given") else "")
-    t = _table(f"plan: {r['profile']} under {budget}; pool {r['pool'] or 'none'}",
+    ranks = f" (one rank of --nproc {r['world']} --ep {r['ep']})" \
+        if r.get("world", 1) > 1 else ""
+    t = _table(f"plan: {r['profile']}{ranks} under {budget}; pool {r['pool'] or 'none'}",
                ["layer", "scopes", "pool", "predicted bytes"])
     for layer in r["layers"]:
         t.add_row(str(layer["layer"]), "+".join(layer["scopes"]) or "none",
@@ -86,6 +88,13 @@ def plan_result(r: dict, as_json: bool) -> None:
         for name, size in r["pools"].items():
             t.add_row(name, fmt_bytes(size))
         out.print(t)
+    sb = r.get("static_breakdown") or {}
+    if r.get("world", 1) > 1 and sb:
+        out.print(f"static per rank: dense {fmt_bytes(sb['dense_bytes'])} (FSDP2 shard of "
+                  f"{sb['dense_params']:,} params over {r['world']} ranks) + experts "
+                  f"{fmt_bytes(sb['expert_bytes'])} ({sb['local_experts']} experts a layer) + "
+                  f"buffers {fmt_bytes(sb['buffer_bytes'])}; weights, grads and AdamW states",
+                  markup=False)
     out.print(f"static {fmt_bytes(r['static_bytes'])} + graph pools {fmt_bytes(r['pool_bytes'])} "
               f"+ eager peak {fmt_bytes(r['eager_peak'])} (at {r.get('worst_moment', '?')}) = "
               f"predicted peak {fmt_bytes(r['predicted_peak'])}; with "

@@ -1,7 +1,7 @@
 """The plan file `moegraph plan --out` writes and `moegraph capture --plan` follows.
 
     moegraph_plan: 1
-    key: {profile, batch, seq_len, dtype, moe_mode, capacity_factor, model_hash}
+    key: {profile, batch, seq_len, dtype, moe_mode, capacity_factor, model_hash, world, ep}
     pool: shared                    # strategy: shared | per_scope | per_entry
     budget: B    predicted_peak: B    static_bytes: B    eager_peak: B    pool_bytes: B
     pools: {shared: B}              # predicted bytes per pool, named as GraphSession.pools()
@@ -13,7 +13,9 @@
 `groups` maps a model scope name (layers.N.attn, layers.N.moe or layers.N.mlp) to its pool
 group; null means private pools (per_entry), whose pools are named `<scope>.fwd` / `.bwd`.
 A plan is refused for any other run: the key's batch, seq_len, dtype, MoE mode and model
-config hash must match the run's (the profile name may differ, e.g. a checkpoint directory).
+config hash must match the run's (the profile name may differ, e.g. a checkpoint directory),
+and so must its ranks: `world` processes with `ep`-way expert parallelism (a plan predicts one
+rank of that layout; a key without them, written before distributed runs, is one process).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import yaml
 from ..config import Profile
 from ..errors import UsageError
 from .documents import read_document
-from .memory import describe_key, run_key, same_run
+from .memory import describe_key, describe_ranks, ranks_of, run_key, same_run
 
 FORMAT = 1
 
@@ -67,8 +69,9 @@ def write_plan(path: str | Path, plan: Plan) -> None:
     path.write_text(yaml.safe_dump(plan.to_dict(), sort_keys=False, width=100))
 
 
-def load_plan(path: str | Path, profile: Profile) -> Plan:
-    """Read a plan and check it was made for `profile`'s run; one-line errors otherwise."""
+def load_plan(path: str | Path, profile: Profile, world: int = 1, ep: int = 1) -> Plan:
+    """Read a plan and check it was made for `profile`'s run on `world` ranks with `ep`-way
+    expert parallelism (1, 1: one process); one-line errors otherwise."""
     path = Path(path)
     raw = read_document(path, "plan", "write one with `moegraph plan --out`", syntax="YAML")
     if not isinstance(raw, dict) or raw.get("moegraph_plan") != FORMAT:
@@ -78,8 +81,14 @@ def load_plan(path: str | Path, profile: Profile) -> Plan:
         if not isinstance(raw.get(name), typ):
             raise UsageError(f"plan {path}: field {name!r} is missing or not a "
                              f"{typ.__name__}")
-    want = run_key(profile)
+    want = run_key(profile, world, ep)
     if not same_run(raw["key"], want):
+        made = ranks_of(raw["key"])
+        if same_run(raw["key"], {**want, "world": made[0], "ep": made[1]}):  # only the ranks
+            again = " without --nproc/--ep" if (world, ep) == (1, 1) else \
+                f" with --nproc {world} --ep {ep}"
+            raise UsageError(f"plan {path} was made for {describe_ranks(raw['key'])}, not this "
+                             f"run's {describe_ranks(want)}; run `moegraph plan` again{again}")
         raise UsageError(f"plan {path} was made for {describe_key(raw['key'])}, not this run "
                          f"{describe_key(want)}; run `moegraph plan` again")
     layers = profile.model.num_hidden_layers

@@ -15,6 +15,10 @@ budget never saves less time, and a plan never predicts over its budget.
 Savings per scope: measured by `moegraph profile` (eager minus replay ms, per scope name,
 else the mean of its kind), or estimated as LAUNCHES[kind] * LAUNCH_US: a graph replay removes
 the host cost of launching each kernel.
+
+Distributed (`--nproc W --ep P`): the plan is for one rank of that run (plan never starts
+processes): the memory model is plan/parallel.py's, the budget is one GPU's, and the plan's key
+carries W and P, so `capture` refuses it for any other layout.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from .calibration import lookup
 from .documents import read_document
 from .memory import (FRAGMENTATION, KIND_OF_SCOPE, STRATEGIES, Prediction, ScopeRef, StepModel,
                      describe_key, run_key, same_run, step_model)
+from .parallel import Parallel
 from .planfile import Plan, write_plan
 
 AUTO_FRACTION = 0.9  # --budget auto: this share of the device's total memory
@@ -175,11 +180,33 @@ def left_out(model: StepModel, best: Choice, budget: int, scopes: list[str], str
     return out
 
 
+def check_ranks(nproc: int | None, ep: int, num_experts: int) -> Parallel:
+    """--nproc / --ep of `plan` (the run it predicts one rank of); exit 2 when invalid."""
+    from ..dist.runtime import check_parallelism
+
+    world = 1 if nproc is None else nproc
+    if world < 1:
+        raise UsageError(f"--nproc must be at least 1, got {world}")
+    if ep > 1 and world == 1:
+        raise UsageError(f"--ep {ep} needs several ranks: add --nproc N with N a multiple of "
+                         f"{ep} (plan predicts one rank of that run)")
+    check_parallelism(world, ep, num_experts)
+    return Parallel(world, ep)
+
+
 def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
                  out: str | None = None, savings: str | None = None,
                  calibration: str | None = None,
-                 fragmentation: float = FRAGMENTATION) -> dict:
+                 fragmentation: float = FRAGMENTATION, nproc: int | None = 1,
+                 ep: int = 1) -> dict:
+    """Plan one process, or (nproc > 1) one rank of `--nproc nproc --ep ep`: the budget, the
+    static memory and every prediction are per rank."""
     prof = spec.profile
+    parallel = check_ranks(nproc, ep, prof.model.num_experts)
+    if calibration is not None and not parallel.single:
+        raise UsageError(f"--calibration is measured in one process and cannot model a rank of "
+                         f"--nproc {parallel.world} --ep {parallel.ep}; plan without it "
+                         "(analytical memory model)")
     if pool not in ("auto", *STRATEGIES):
         raise UsageError(f"--pool {pool!r} must be auto, shared, per_scope or per_entry")
     if pool == "auto":
@@ -188,23 +215,30 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
         strategies = [pool]
     check_capturable(prof, strategies[0])
     budget_bytes, budget_note = parse_budget(budget)
-    key = run_key(prof)
+    if not parallel.single and budget_note != "given":
+        budget_note += ", per rank"
+    key = run_key(prof, parallel.world, parallel.ep)
     entry, memory_source = lookup(calibration, key)
-    model = step_model(prof, "cuda", entry, fragmentation)
+    model = step_model(prof, "cuda", entry, fragmentation, parallel=parallel)
     gains = load_savings(savings, key) if savings else estimated_savings()
     scopes = list(prof.run.scopes)
 
     static = model.static["total"]
     eager_only = model.predict((False,) * len(model.scopes), strategies[0]).required
+    rank = "" if parallel.single else \
+        f" per rank of --nproc {parallel.world} --ep {parallel.ep}"
     if budget_bytes < static:
         raise UsageError(f"budget {fmt_bytes(budget_bytes)} is below the static memory of "
-                         f"{prof.name} (weights, grads and AdamW states: {fmt_bytes(static)}); "
-                         f"the smallest budget that fits a step is {fmt_bytes(eager_only)}")
-    best = choose(model, budget_bytes, scopes, strategies, gains)
+                         f"{prof.name}{rank} (weights, grads and AdamW states: "
+                         f"{fmt_bytes(static)}); the smallest budget that fits a step is "
+                         f"{fmt_bytes(eager_only)}")
+    # every candidate's peak includes the eager phase: below it nothing fits, skip the search
+    best = choose(model, budget_bytes, scopes, strategies, gains) \
+        if budget_bytes >= eager_only else None
     if best is None:
         raise UsageError(f"budget {fmt_bytes(budget_bytes)} does not fit one training step of "
-                         f"{prof.name} even with nothing captured; the smallest budget that "
-                         f"fits is {fmt_bytes(eager_only)}")
+                         f"{prof.name}{rank} even with nothing captured; the smallest budget "
+                         f"that fits is {fmt_bytes(eager_only)}")
     p = best.prediction
     strategy = p.strategy if any(p.captured) else None
     groups_of = _groups(model, p.captured, strategy)
@@ -226,6 +260,8 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
                            "predicted_peak": c.prediction.peak if c else None})
     result = {
         "profile": prof.name, "source": spec.source, "key": key,
+        "world": parallel.world, "ep": parallel.ep,
+        "static_breakdown": model.static_breakdown,
         "memory_model": memory_source, "savings_source": gains.source,
         "budget": budget_bytes, "budget_note": budget_note, "pool_request": pool,
         "pool": strategy, "scopes_requested": scopes, "layers": layers,
@@ -242,7 +278,8 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
         "out": out,
     }
     if out:
-        extra = {k: result[k] for k in ("static_bytes", "eager_peak", "pool_bytes", "io_bytes",
+        extra = {k: result[k] for k in ("world", "ep", "static_bytes", "static_breakdown",
+                                        "eager_peak", "pool_bytes", "io_bytes",
                                         "graph_phase_peak", "eager_phase_peak", "saved_ms",
                                         "memory_model", "savings_source", "fragmentation",
                                         "left_out")}
