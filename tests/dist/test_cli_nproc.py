@@ -59,3 +59,14 @@ def test_a_rank_error_is_one_line_and_its_exit_code():
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("moegraph: error: rank ")
     assert "run.data: token file /nonexistent/tokens.pt does not exist" in lines[0]
+
+
+def test_started_by_torchrun():
+    """The same command under torch's own launcher (RANK, WORLD_SIZE, LOCAL_RANK set)."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", "-m", "moegraph_cli.app", "verify", "--ep", "2",
+                        "--steps", "2", "--json", *CPU], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["world_size"] == 2 and doc["passed"] and len(doc["ranks"]) == 2
