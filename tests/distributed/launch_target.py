@@ -1,6 +1,6 @@
 """A tiny rank program for test_launch.py: gloo collectives that succeed, fail, hang or crash.
 
-The launcher runs it as `python -m launch_target MODE [ARG]` with tests/dist on PYTHONPATH.
+The launcher runs it as `python -m launch_target MODE [ARG]` with tests/distributed on PYTHONPATH.
 Like the CLI, a rank that fails hands one line to `report_error` and exits with its code;
 `crash` instead dies with a raw exception, as a bug outside the CLI's error handling would.
 """

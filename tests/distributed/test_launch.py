@@ -1,7 +1,7 @@
 """The multi-process launcher: what the user sees when 2 gloo ranks succeed, fail, hang, crash.
 
 Each launch runs in a fresh interpreter so the test captures exactly what the launching
-process prints; the ranks run tests/dist/launch_target.py (on CPU, gloo backend).
+process prints; the ranks run tests/distributed/launch_target.py (on CPU, gloo backend).
 """
 
 import json
