@@ -10,33 +10,28 @@ import time
 
 import torch
 
-from .capability import check_capturable
-from .errors import MoegraphError, UsageError
+from .errors import MoegraphError
 from .flops import peak_flops, step_flops
 from .harness import (build_session, capture_into, device_info, dropped_routes, make_trainer,
                       peaks, reset_peaks, set_memory_limit, timed_steps)
+from .preflight import check_inputs
 from .render import Progress
 from .runspec import RunSpec, build_model, pick_device
 from .train import batches
-from .units import parse_bytes
 
 
 def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None = None,
                     plan_file: str | None = None, memory_limit: str | None = None,
                     progress: bool = True, rt=None) -> dict | None:
     prof, run = spec.profile, spec.profile.run
+    inputs = check_inputs(spec, plan_file=plan_file, memory_limit=memory_limit, steps=steps,
+                          warmup=warmup, world=1 if rt is None else rt.world,
+                          ep=1 if rt is None else rt.ep_size)
     device = pick_device(run.device if rt is None else str(rt.device), need_cuda=True)
-    plan = None
-    if plan_file:
-        from .plan.planfile import load_plan
-        plan = load_plan(plan_file, prof, *((1, 1) if rt is None else (rt.world, rt.ep_size)))
-    check_capturable(prof, None if plan else run.pool)
+    plan = inputs.plan
     steps = run.steps if steps is None else steps
     warmup = run.warmup if warmup is None else warmup
-    if steps <= 0 or warmup < 0:
-        raise UsageError("--steps must be positive and --warmup non-negative")
-    limit = set_memory_limit(parse_bytes(memory_limit, "--memory-limit")
-                             if memory_limit else None, device)
+    limit = set_memory_limit(inputs.memory_limit, device)
 
     torch.manual_seed(run.seed)
     model = build_model(spec, device, rt=rt)

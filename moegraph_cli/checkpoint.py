@@ -10,7 +10,11 @@ it goes. Experts are stacked in memory and stored one tensor per expert on disk:
 
 Loading also accepts the fused spelling some writers use, per layer (never mixed in a layer):
 `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2F, H] and `...experts.down_proj` [E, H, F].
-Saving always writes the per-expert spelling (what transformers 4.x and 5.x write).
+Saving always writes the per-expert spelling (what transformers 4.x and 5.x write), one file
+at a time and within a file one tensor at a time (`write_checkpoint`: the caller hands each
+tensor over as it is written, so neither a state dict nor `moegraph init`'s generator needs a
+whole shard in memory), byte for byte what `safetensors.save_file` writes for the same tensors,
+each file atomically (outputs.py) and with the permissions of a plain open().
 
 Loading is two steps. `plan_load` reads only the safetensors headers (8-byte little-endian
 length, then JSON) and checks everything a large read could trip on: names, shapes, dtypes,
@@ -23,29 +27,46 @@ A checkpoint holds one floating dtype (F32, BF16 or F16) throughout, as HF write
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, NamedTuple
 
-import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open  # the Rust reader alone: no torch import
 
 from .config import ModelConfig
-from .errors import CheckpointError, UsageError
+from .errors import EXIT_USAGE, CheckpointError, UsageError
+from .outputs import write_atomically
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading headers needs none
+    import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _PER_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.")
 
-# Safetensors dtype -> the torch dtype moegraph loads it as. Anything else is refused.
-LOADABLE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_DTYPE_NAMES = {v: k for k, v in LOADABLE_DTYPES.items()}
+# Safetensors dtype -> the torch dtype (by name) moegraph loads it as. Anything else is refused.
+LOADABLE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_BYTES_OF = {"F32": 4, "BF16": 2, "F16": 2}
+
+
+def torch_dtype(safetensors_dtype: str) -> "torch.dtype":
+    """The torch dtype of a loadable safetensors dtype name ("BF16" -> torch.bfloat16)."""
+    import torch
+
+    return getattr(torch, LOADABLE_DTYPES[safetensors_dtype])
+
+
+def safetensors_dtype(dtype) -> str | None:
+    """The safetensors name of a loadable torch dtype (torch.bfloat16 -> "BF16"), else None."""
+    name = str(dtype).removeprefix("torch.")
+    return next((k for k, v in LOADABLE_DTYPES.items() if v == name), None)
 # Bits per element of every safetensors dtype, to check each tensor's byte span.
 _DTYPE_BITS = {
     "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
@@ -241,9 +262,13 @@ class LoadPlan:
     root: Path
     files: tuple[str, ...]              # read order
     reads: tuple[TensorRead, ...]       # by file, then by offset
-    dtype: torch.dtype                  # the checkpoint's one dtype
+    st_dtype: str                       # the checkpoint's one dtype, safetensors name ("BF16")
     shapes: dict[str, tuple[int, ...]]  # moegraph name -> shape, the result's order
     fused_layers: frozenset[int]        # layers stored with the fused expert spelling
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        return torch_dtype(self.st_dtype)
 
     @property
     def total_bytes(self) -> int:
@@ -255,8 +280,8 @@ class LoadPlan:
 
 def _find_layout(path: Path) -> tuple[Path, str | None]:
     """(checkpoint dir, the single file's name or None when sharded by the index)."""
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.exists():  # a missing file is exit 2 whichever file it is
+        raise CheckpointError(f"checkpoint {path} does not exist", EXIT_USAGE)
     if path.is_file():
         if path.name == INDEX_FILE or path.suffix == ".safetensors":
             return path.parent, (None if path.name == INDEX_FILE else path.name)
@@ -266,7 +291,8 @@ def _find_layout(path: Path) -> tuple[Path, str | None]:
         raise CheckpointError(f"checkpoint {path} has both {SINGLE_FILE} and {INDEX_FILE}; "
                               "remove the stale one")
     if not (single or index):
-        raise CheckpointError(f"checkpoint {path} has no {SINGLE_FILE} or {INDEX_FILE}")
+        raise CheckpointError(f"checkpoint {path} has no {SINGLE_FILE} or {INDEX_FILE}",
+                              EXIT_USAGE)
     return path, (SINGLE_FILE if single else None)
 
 
@@ -292,7 +318,7 @@ def _read_index(root: Path) -> dict[str, str]:
                                   f"{tensor}, which is not a file in the checkpoint directory")
         if not (root / file).is_file():
             raise CheckpointError(f"checkpoint: {INDEX_FILE} names {file} for tensor {tensor}, "
-                                  f"but {root / file} does not exist")
+                                  f"but {root / file} does not exist", EXIT_USAGE)
         checked.add(file)
     return weight_map
 
@@ -390,7 +416,7 @@ def plan_load(path: str | os.PathLike, cfg: ModelConfig) -> LoadPlan:
                     disk[key][1].shape, slot.name, slot.index) for key, slot in table.items()),
         key=lambda r: (r.file, r.offsets))
     return LoadPlan(root=root, files=tuple(dict.fromkeys(r.file for r in reads)),
-                    reads=tuple(reads), dtype=LOADABLE_DTYPES[ref.dtype],
+                    reads=tuple(reads), st_dtype=ref.dtype,
                     shapes=moegraph_shapes(cfg), fused_layers=frozenset(fused))
 
 
@@ -398,7 +424,7 @@ def plan_load(path: str | os.PathLike, cfg: ModelConfig) -> LoadPlan:
 
 
 def _check_float_dtype(dtype, what: str) -> None:
-    if dtype not in _DTYPE_NAMES:
+    if safetensors_dtype(dtype) is None:
         raise UsageError(f"{what} {dtype} is not one of torch.float32, torch.bfloat16, "
                          "torch.float16")
 
@@ -409,6 +435,8 @@ def load_state_dict(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtyp
 
     dtype None keeps the checkpoint's dtype; otherwise tensors are cast while loading. Each file
     is opened once and its tensors read in offset order."""
+    import torch
+
     plan = plan_load(path, cfg)
     out_dtype = plan.dtype if dtype is None else dtype
     _check_float_dtype(out_dtype, "load dtype")
@@ -463,6 +491,8 @@ def _check_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN-safe, unlike torch.equal)."""
+    import torch
+
     if a.dtype != b.dtype:
         return False
     as_bytes = lambda t: t.detach().cpu().contiguous().view(torch.uint8)  # noqa: E731
@@ -495,68 +525,156 @@ def _shards(sizes: list[tuple[str, int]], max_bytes: int | None) -> list[list[st
     return shards + [current] if current else shards
 
 
-def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+@dataclass(frozen=True)
+class SaveLayout:
+    """Which HF tensors go to which file, for one config, dtype and shard size."""
+
+    files: tuple[str, ...]
+    shards: tuple[tuple[str, ...], ...]     # HF names per file, in table order
+    shapes: dict[str, tuple[int, ...]]      # HF name -> shape on disk
+    st_dtype: str                           # safetensors dtype name, e.g. "BF16"
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(math.prod(s) for s in self.shapes.values()) * _BYTES_OF[self.st_dtype]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes on disk, headers and index included (config.json aside)."""
+        headers = sum(len(_safetensors_header([(k, self.shapes[k]) for k in keys],
+                                              self.st_dtype)) for keys in self.shards)
+        index = 0 if len(self.files) == 1 else 120 * len(self.shapes) + 1024
+        return self.tensor_bytes + headers + index
 
 
-def save_checkpoint(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
+def save_layout(cfg: ModelConfig, dtype, max_shard_bytes: int | None = 5 * 2**30) -> SaveLayout:
+    """The files `save_checkpoint` writes for `cfg` in `dtype` (a torch dtype or its name)."""
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise UsageError(f"max_shard_bytes must be positive or None, got {max_shard_bytes}")
+    st_dtype = safetensors_dtype(dtype)
+    if st_dtype is None:
+        raise UsageError(f"save dtype {dtype} is not one of float32, bfloat16, float16")
+    table = hf_to_moegraph_names(cfg)
+    sizes = [(key, math.prod(slot.shape) * _BYTES_OF[st_dtype]) for key, slot in table.items()]
+    shards = _shards(sizes, max_shard_bytes)
+    n = len(shards)
+    files = [SINGLE_FILE] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors"
+                                          for k in range(1, n + 1)]
+    return SaveLayout(tuple(files), tuple(tuple(k) for k in shards),
+                      {key: slot.shape for key, slot in table.items()}, st_dtype)
+
+
+def _safetensors_header(entries: list[tuple[str, tuple[int, ...]]], st_dtype: str) -> bytes:
+    """The 8-byte length and JSON header of a one-dtype safetensors file holding `entries`, laid
+    out as safetensors.save_file lays it out: tensors sorted by name, compact JSON, padded with
+    spaces so the data starts 8-byte aligned."""
+    itemsize = _BYTES_OF[st_dtype]
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in sorted(entries):
+        n = math.prod(shape) * itemsize
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset,
+                                                                                 offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _tensor_bytes(t: "torch.Tensor") -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (and without numpy)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * t.nbytes).from_address(t.data_ptr()))
+
+
+def _write_safetensors(tmp: Path, entries: list[tuple[str, tuple[int, ...]]], st_dtype: str,
+                       tensor_of: Callable[[str], "torch.Tensor"],
+                       on_tensor: Callable[[str, int], None] | None) -> None:
+    """Stream one safetensors file: the header, then each tensor as `tensor_of(name)` makes it,
+    so only one tensor is in memory at a time."""
+    import torch
+
+    if sys.byteorder != "little":
+        raise CheckpointError("checkpoint: safetensors is little-endian; writing on a "
+                              "big-endian host is not supported")
+    want_dtype = torch_dtype(st_dtype)
+    with open(tmp, "wb") as f:
+        f.write(_safetensors_header(entries, st_dtype))
+        for name, shape in sorted(entries):
+            t = tensor_of(name)
+            if tuple(t.shape) != tuple(shape) or t.dtype != want_dtype or t.device.type != "cpu":
+                raise CheckpointError(f"checkpoint: tensor {name} to write is "
+                                      f"{t.dtype} {_shape_str(t.shape)} on {t.device}, "
+                                      f"expected {want_dtype} {_shape_str(shape)} on cpu")
+            t = t.contiguous()
+            f.write(_tensor_bytes(t))
+            if on_tensor is not None:
+                on_tensor(name, t.nbytes)
+            del t
+
+
+def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, layout: SaveLayout,
+                     tensor_of: Callable[[str], "torch.Tensor"],
+                     on_tensor: Callable[[str, int], None] | None = None,
+                     written: list[Path] | None = None) -> list[Path]:
+    """Write the checkpoint of `layout`, one file at a time and within a file one tensor at a
+    time: `tensor_of(hf_name)` returns that tensor (CPU, the layout's dtype, the disk shape).
+    Each file is written atomically. `on_tensor(hf_name, nbytes)` follows progress; `written`
+    (when given) lists each finished file as soon as it is in place, for a caller's cleanup.
+    Weight files of an earlier save that this one does not overwrite are removed at the end."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    done = [] if written is None else written
+    for file, keys in zip(layout.files, layout.shards):
+        entries = [(key, layout.shapes[key]) for key in keys]
+        write_atomically(root / file, lambda tmp: _write_safetensors(
+            tmp, entries, layout.st_dtype, tensor_of, on_tensor))
+        done.append(root / file)
+    if len(layout.files) > 1:
+        index = {"metadata": {"total_size": layout.tensor_bytes},
+                 "weight_map": {key: file for file, keys in zip(layout.files, layout.shards)
+                                for key in keys}}
+        write_atomically(root / INDEX_FILE,
+                         lambda tmp: tmp.write_text(json.dumps(index, indent=2) + "\n"))
+        done.append(root / INDEX_FILE)
+
+    dtype_name = LOADABLE_DTYPES[layout.st_dtype]
+    config = {**cfg.to_hf_dict(), "torch_dtype": dtype_name, "dtype": dtype_name}
+    write_atomically(root / "config.json",
+                     lambda tmp: tmp.write_text(json.dumps(config, indent=2, sort_keys=True)
+                                                + "\n"))
+    done.append(root / "config.json")
+
+    for old in root.iterdir():
+        stale_layout = old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(old.name)
+        if stale_layout and old not in done:
+            old.unlink()
+    return list(done)
+
+
+def save_checkpoint(state_dict: Mapping[str, "torch.Tensor"], cfg: ModelConfig,
                     path: str | os.PathLike, max_shard_bytes: int | None = 5 * 2**30,
-                    dtype: torch.dtype | None = None) -> list[Path]:
+                    dtype: "torch.dtype | None" = None) -> list[Path]:
     """Write an HF checkpoint: config.json, and model.safetensors or shards plus index.
 
     Experts are written one tensor per expert. dtype None keeps the state dict's dtype (which
     must then be one dtype throughout). Shard sizes count tensor bytes, as HF does. Weight files
     of an earlier save in `path` that this save does not overwrite are removed, so the directory
-    never holds two layouts. Returns the files written."""
+    never holds two layouts. Every file is written atomically with the permissions of a plain
+    open(). Returns the files written."""
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise UsageError(f"max_shard_bytes must be positive or None, got {max_shard_bytes}")
     shapes = moegraph_shapes(cfg)
     _check_state_dict(state_dict, cfg, shapes)
     save_dtype = _common_dtype(state_dict, shapes) if dtype is None else dtype
     _check_float_dtype(save_dtype, "save dtype")
-
+    layout = save_layout(cfg, save_dtype, max_shard_bytes)
     table = hf_to_moegraph_names(cfg)
-    sizes = [(key, math.prod(slot.shape) * save_dtype.itemsize) for key, slot in table.items()]
-    shards = _shards(sizes, max_shard_bytes)
-    n = len(shards)
-    files = [SINGLE_FILE] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors"
-                                          for k in range(1, n + 1)]
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
 
-    def hf_tensor(slot: Slot) -> torch.Tensor:
-        # A private contiguous CPU copy: expert slices share storage, which save_file refuses.
+    def hf_tensor(hf_name: str) -> "torch.Tensor":
+        slot = table[hf_name]
         t = state_dict[slot.name].detach()[slot.index]
-        return t.to(device="cpu", dtype=save_dtype, copy=True).contiguous()
+        return t.to(device="cpu", dtype=save_dtype).contiguous()
 
-    written = []
-    for file, keys in zip(files, shards):  # one shard in memory at a time
-        tensors = {key: hf_tensor(table[key]) for key in keys}
-        _write_atomically(root / file,
-                          lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-        written.append(root / file)
-        del tensors
-    if n > 1:
-        index = {"metadata": {"total_size": sum(size for _, size in sizes)},
-                 "weight_map": {key: file for file, keys in zip(files, shards) for key in keys}}
-        _write_atomically(root / INDEX_FILE,
-                          lambda tmp: tmp.write_text(json.dumps(index, indent=2) + "\n"))
-        written.append(root / INDEX_FILE)
-
-    dtype_name = str(save_dtype).removeprefix("torch.")
-    config = {**cfg.to_hf_dict(), "torch_dtype": dtype_name, "dtype": dtype_name}
-    _write_atomically(root / "config.json",
-                      lambda tmp: tmp.write_text(json.dumps(config, indent=2, sort_keys=True)
-                                                 + "\n"))
-    written.append(root / "config.json")
-
-    for old in root.iterdir():
-        stale_layout = old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(old.name)
-        if stale_layout and old not in written:
-            old.unlink()
-    return written
+    return write_checkpoint(cfg, path, layout, hf_tensor)

@@ -11,15 +11,15 @@ transformers 4.x (`num_experts`, `rope_theta`) and 5.x (`num_local_experts`, `ro
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-import yaml
-
+from .documents import at, is_int, kind_of, parse_json, parse_yaml, read_text, show
 from .errors import UsageError
 
 DEFAULT_PROFILE = "tiny-qwen3-moe"
@@ -57,61 +57,94 @@ class ModelConfig:
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
 
-    def validate(self) -> "ModelConfig":
+    def validate(self, prefix: str = "model.") -> "ModelConfig":
+        """Refuse a config moegraph cannot build; `prefix` starts every message ("model." for
+        a profile, "DIR/config.json: " for a checkpoint)."""
         c = self
-        checks = [
-            (c.hidden_act == "silu", f"model.hidden_act is {c.hidden_act!r}; only 'silu' is supported"),
-            (c.num_attention_heads % c.num_key_value_heads == 0,
-             f"model.num_attention_heads {c.num_attention_heads} is not a multiple of "
-             f"num_key_value_heads {c.num_key_value_heads}"),
-            (c.head_dim % 2 == 0, f"model.head_dim {c.head_dim} must be even for RoPE"),
-            (0 < c.num_experts_per_tok <= max(c.num_experts, 1),
-             f"model.num_experts_per_tok {c.num_experts_per_tok} must be in 1..num_experts "
-             f"({c.num_experts})"),
-            (c.decoder_sparse_step >= 1, "model.decoder_sparse_step must be >= 1"),
-            (not c.attention_bias, "model.attention_bias=true is not supported (Qwen3 has none)"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise UsageError(msg)
+        _check_int_sizes(self, prefix)
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "moe_intermediate_size"):
+                     "num_key_value_heads", "head_dim", "moe_intermediate_size",
+                     "intermediate_size", "max_position_embeddings", "rms_norm_eps",
+                     "rope_theta"):
             if getattr(c, name) <= 0:
-                raise UsageError(f"model.{name} must be positive, got {getattr(c, name)}")
+                raise _invalid(name, f"{prefix}{name} must be positive, got {getattr(c, name)}")
+        if c.num_experts < 0:
+            raise _invalid("num_experts", f"{prefix}num_experts must be >= 0 (0: every layer "
+                           f"dense), got {c.num_experts}")
+        checks = [
+            ("hidden_act", c.hidden_act == "silu",
+             f"{prefix}hidden_act is {show(c.hidden_act)}; only 'silu' is supported"),
+            ("num_attention_heads", c.num_attention_heads % c.num_key_value_heads == 0,
+             f"{prefix}num_attention_heads {c.num_attention_heads} is not a multiple of "
+             f"num_key_value_heads {c.num_key_value_heads}"),
+            ("head_dim", c.head_dim % 2 == 0,
+             f"{prefix}head_dim {c.head_dim} must be even for RoPE"),
+            ("num_experts_per_tok", 0 < c.num_experts_per_tok <= max(c.num_experts, 1),
+             f"{prefix}num_experts_per_tok {c.num_experts_per_tok} must be in 1..num_experts "
+             f"({c.num_experts})"),
+            ("decoder_sparse_step", c.decoder_sparse_step >= 1,
+             f"{prefix}decoder_sparse_step must be >= 1, got {c.decoder_sparse_step}"),
+            ("attention_bias", not c.attention_bias,
+             f"{prefix}attention_bias=true is not supported (Qwen3 has none)"),
+        ]
+        for name, ok, msg in checks:
+            if not ok:
+                raise _invalid(name, msg)
+        return self
+
+    def check_layer_indices(self, prefix: str = "model.") -> "ModelConfig":
+        """Refuse layer indices outside the model in a user's config (profile, --set,
+        config.json). transformers ignores them; here they are a mistake worth naming."""
+        layers = self.num_hidden_layers
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < layers]
+        if outside:
+            raise _invalid("mlp_only_layers", f"{prefix}mlp_only_layers holds {outside[0]}, "
+                           f"which is not a layer of the model (layers 0..{layers - 1} with "
+                           f"num_hidden_layers {layers})")
         return self
 
     # -- HF config.json ---------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
-        if d.get("model_type", "qwen3_moe") != "qwen3_moe":
-            raise UsageError(f"{source}: model_type is {d.get('model_type')!r}; moegraph reads "
+        if not isinstance(d, dict):
+            raise UsageError(f"{source}: expected a JSON object of config fields, got "
+                             f"{kind_of(d)}")
+        if "model_type" not in d:
+            raise UsageError(f"{source}: no model_type field; moegraph reads Qwen3-MoE "
+                             "checkpoints, whose config.json says \"model_type\": \"qwen3_moe\"")
+        if d["model_type"] != "qwen3_moe":
+            raise UsageError(f"{source}: model_type is {show(d['model_type'])}; moegraph reads "
                              "'qwen3_moe' checkpoints")
         d = dict(d)
         if "num_experts" not in d and "num_local_experts" in d:
             d["num_experts"] = d["num_local_experts"]
+        for name in ("rope_parameters", "rope_scaling"):
+            if d.get(name) is not None and not isinstance(d[name], dict):
+                raise UsageError(f"{source}: {name} must be an object or null, got "
+                                 f"{show(d[name])}")
         rope = d.get("rope_parameters") or d.get("rope_scaling")
-        if isinstance(rope, dict):
+        if rope:
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type != "default":
-                raise UsageError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
+                raise UsageError(f"{source}: rope type {show(rope_type)} is not supported "
+                                 "(only 'default')")
             if "rope_theta" not in d and "rope_theta" in rope:
                 d["rope_theta"] = rope["rope_theta"]
         if d.get("use_sliding_window"):
             raise UsageError(f"{source}: use_sliding_window=true is not supported")
-        if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
-            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         if d.get("mlp_only_layers") is None:
             d["mlp_only_layers"] = []
-        names = {f.name for f in dataclasses.fields(cls)}
+        if d.get("head_dim") is None:
+            d.pop("head_dim", None)  # derived below, as transformers does
         missing = [n for n in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                "vocab_size", "num_experts") if n not in d]
         if missing:
             raise UsageError(f"{source}: missing required field {missing[0]!r}")
-        kwargs = {}
-        for k in names:
-            if k in d:
-                kwargs[k] = _coerce(f"{source}:{k}", d[k], _field_types(cls)[k])
-        return cls(**kwargs).validate()
+        types_ = _field_types(cls)
+        kwargs = {k: _coerce(f"{source}: {k}", d[k], typ) for k, typ in types_.items() if k in d}
+        if "head_dim" not in kwargs and kwargs["num_attention_heads"] > 0:
+            kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+        return cls(**kwargs).validate(f"{source}: ").check_layer_indices(f"{source}: ")
 
     def to_hf_dict(self) -> dict:
         """transformers 4.x spelling (as the published Qwen3-30B-A3B); 5.x reads it too."""
@@ -149,18 +182,31 @@ class RunConfig:
     dynamic_shapes: bool = False
 
     def validate(self) -> "RunConfig":
+        _check_int_sizes(self, "run.")
         if self.dtype not in ("bfloat16", "float32", "float16"):
-            raise UsageError(f"run.dtype {self.dtype!r} must be bfloat16, float32 or float16")
-        for name in ("batch", "seq_len", "steps"):
+            raise _invalid("dtype", f"run.dtype {show(self.dtype)} must be bfloat16, float32 "
+                           "or float16")
+        for name in ("batch", "seq_len", "steps", "pipeline_interleave"):
             if getattr(self, name) <= 0:
-                raise UsageError(f"run.{name} must be positive, got {getattr(self, name)}")
-        if self.lr < 0:
-            raise UsageError(f"run.lr must be >= 0, got {self.lr}")
+                raise _invalid(name, f"run.{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup", "lr", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise _invalid(name, f"run.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise _invalid("seed", f"run.seed must be in 0..{MAX_SEED}, got {self.seed}")
         bad = [s for s in self.scopes if s not in ("attn", "moe")]
         if bad:
-            raise UsageError(f"run.scopes: unknown scope {bad[0]!r}; choose from attn, moe")
+            raise _invalid("scopes", f"run.scopes: unknown scope {show(bad[0])}; choose from "
+                           "attn, moe")
         if self.pool not in ("shared", "per_scope", "per_entry", "auto"):
-            raise UsageError(f"run.pool {self.pool!r} must be shared, per_scope, per_entry or auto")
+            raise _invalid("pool", f"run.pool {show(self.pool)} must be shared, per_scope, "
+                           "per_entry or auto")
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise _invalid("device", f"run.device {show(self.device)} must be auto, cpu, cuda "
+                           "or cuda:N")
+        if self.data is not None and not self.data.strip():
+            raise _invalid("data", "run.data is empty; give a .pt or .bin token file, or null "
+                           "for synthetic batches")
         return self
 
 
@@ -172,11 +218,13 @@ class MoeConfig:
 
     def validate(self) -> "MoeConfig":
         if self.mode not in ("dropless", "capacity"):
-            raise UsageError(f"moe.mode {self.mode!r} must be dropless or capacity")
+            raise _invalid("mode", f"moe.mode {show(self.mode)} must be dropless or capacity")
         if self.capacity_factor <= 0:
-            raise UsageError(f"moe.capacity_factor must be positive, got {self.capacity_factor}")
+            raise _invalid("capacity_factor", f"moe.capacity_factor must be positive, got "
+                           f"{self.capacity_factor}")
         if self.backend not in ("auto", "reference", "permute_free"):
-            raise UsageError(f"moe.backend {self.backend!r} must be auto, reference or permute_free")
+            raise _invalid("backend", f"moe.backend {show(self.backend)} must be auto, reference "
+                           "or permute_free")
         return self
 
     @property
@@ -200,6 +248,12 @@ class Profile:
 
 
 SECTIONS = {"model": ModelConfig, "run": RunConfig, "moe": MoeConfig}
+# The synthetic batches seed a generator with seed * 1_000_003 + step (a signed 64-bit value).
+MAX_SEED = 2**32 - 1
+# Every integer setting (a size, a count, a step number) is at most this: far beyond any real
+# model, and it keeps products of a few of them exact in the float arithmetic of the planner.
+MAX_INT = 2**31 - 1
+_EXPONENT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
 
 
 def profile_names() -> list[str]:
@@ -209,24 +263,40 @@ def profile_names() -> list[str]:
 
 def load_profile(name_or_path: str = DEFAULT_PROFILE, overrides: list[str] | None = None) -> Profile:
     """A profile by name (profiles/NAME.yaml) or by path to a YAML file, with overrides."""
-    path = Path(name_or_path)
-    if name_or_path.endswith((".yaml", ".yml")) and path.exists():
-        text, source = path.read_text(), str(path)
+    if _is_path(name_or_path):
+        path = Path(name_or_path)
+        text, source, stem = read_text(path, "profile"), f"profile {path}", path.stem
     else:
         res = resources.files("moegraph_cli.profiles").joinpath(f"{name_or_path}.yaml")
         if not res.is_file():
             raise UsageError(f"profile {name_or_path!r} not found; available: "
-                             + ", ".join(profile_names()))
-        text, source = res.read_text(), f"profiles/{name_or_path}.yaml"
-    raw = yaml.safe_load(text) or {}
-    unknown = set(raw) - {"name", "description", *SECTIONS}
-    if unknown:
-        raise UsageError(f"{source}: unknown section {sorted(unknown)[0]!r}")
+                             + ", ".join(profile_names()) + " (or give a path to a .yaml file)")
+        text, source, stem = res.read_text(), f"profile profiles/{name_or_path}.yaml", name_or_path
+    raw = parse_yaml(text, source)
+    if raw is None:
+        raise UsageError(f"{source}: the file is empty; a profile has the sections model, run "
+                         "and moe (see profiles/tiny-qwen3-moe.yaml)")
+    if not isinstance(raw, dict):
+        raise UsageError(f"{source}: expected a mapping with the sections model, run and moe, "
+                         f"got {kind_of(raw)}")
+    for key in raw:
+        if key not in ("name", "description", *SECTIONS):
+            raise UsageError(f"{at(source, raw, key)}: unknown section {show(key)}; a profile "
+                             "has name, description, model, run and moe")
+    for key in ("name", "description"):
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise UsageError(f"{at(source, raw, key)}: {key} must be a string, got "
+                             f"{show(raw[key])}")
     sections = {}
     for sec, cls in SECTIONS.items():
-        values = raw.get(sec) or {}
-        sections[sec] = _build(cls, values, f"{source}:{sec}")
-    prof = Profile(name=raw.get("name", path.stem), description=raw.get("description", ""),
+        values = raw.get(sec)
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise UsageError(f"{at(source, raw, sec)}: section {sec!r} must be a mapping of "
+                             f"field: value, got {show(values)}")
+        sections[sec] = _build(cls, sec, values, source)
+    prof = Profile(name=raw.get("name") or stem, description=raw.get("description") or "",
                    **sections)
     return apply_overrides(prof, overrides or [])
 
@@ -242,22 +312,27 @@ def profile_from_model(model: ModelConfig, name: str, overrides: list[str] | Non
 def apply_overrides(prof: Profile, overrides: list[str]) -> Profile:
     for item in overrides:
         key, sep, value = item.partition("=")
+        key = key.strip()
         if not sep:
-            raise UsageError(f"--set {item!r}: expected section.field=value")
-        sec, _, name = key.strip().partition(".")
-        if sec not in SECTIONS or not name:
-            raise UsageError(f"--set {key!r}: unknown key; sections are model, run, moe "
+            raise UsageError(f"--set {show(item)}: expected section.field=value")
+        sec, _, name = key.partition(".")
+        if sec in SECTIONS and not name:
+            raise UsageError(f"--set {show(item)}: {sec} is a section, not a field; write "
+                             f"--set {sec}.FIELD=VALUE ({sec} fields: "
+                             + ", ".join(sorted(_field_types(SECTIONS[sec]))) + ")")
+        if sec not in SECTIONS:
+            raise UsageError(f"--set {show(key)}: unknown key; sections are model, run, moe "
                              "(e.g. run.seq_len=2048)")
         obj = getattr(prof, sec)
         types_ = _field_types(type(obj))
         if name not in types_:
-            raise UsageError(f"--set {key!r}: unknown key; {sec} fields are "
+            raise UsageError(f"--set {show(key)}: unknown key; {sec} fields are "
                              + ", ".join(sorted(types_)))
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = parse_yaml(value, f"--set {key}", marks=False) if value.strip() else ""
         if types_[name] == list[str] and isinstance(parsed, str):
             parsed = [s.strip() for s in parsed.split(",") if s.strip()]
         setattr(obj, name, _coerce(f"--set {key}", parsed, types_[name]))
-    prof.model.validate()
+    prof.model.validate().check_layer_indices()
     prof.run.validate()
     prof.moe.validate()
     return prof
@@ -267,25 +342,51 @@ def read_hf_config(checkpoint_dir: str | Path) -> ModelConfig:
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
         raise UsageError(f"checkpoint {checkpoint_dir}: no config.json")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    d = parse_json(read_text(path, None), str(path))
     return ModelConfig.from_hf_dict(d, source=str(path))
 
 
-def _build(cls, values: dict, source: str):
+def _is_path(name_or_path: str) -> bool:
+    """A profile argument names a file (not a shipped profile) when it looks like one."""
+    return name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path \
+        or "\\" in name_or_path
+
+
+def _build(cls, sec: str, values: dict, source: str):
+    """One section of a profile file, every field type-checked, then validated; errors name
+    the file and the line."""
     types_ = _field_types(cls)
     for k in values:
         if k not in types_:
-            raise UsageError(f"{source}: unknown field {k!r}")
-    obj = cls(**{k: _coerce(f"{source}.{k}", v, types_[k]) for k, v in values.items()})
-    return obj.validate()
+            raise UsageError(f"{at(source, values, k)}: unknown field {show(k)} in section "
+                             f"{sec}; {sec} fields are " + ", ".join(sorted(types_)))
+    kwargs = {k: _coerce(f"{at(source, values, k)}: {sec}.{k}", v, types_[k])
+              for k, v in values.items()}
+    try:
+        obj = cls(**kwargs).validate()
+        return obj.check_layer_indices() if cls is ModelConfig else obj
+    except UsageError as e:
+        raise UsageError(f"{at(source, values, getattr(e, 'field', None))}: {e}") from None
 
 
 def _field_types(cls) -> dict:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _check_int_sizes(obj, prefix: str) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if is_int(value) and value > MAX_INT:
+            raise _invalid(f.name, f"{prefix}{f.name} {show(value)} is too large (at most "
+                           f"{MAX_INT})")
+
+
+def _invalid(field_name: str, message: str) -> UsageError:
+    """A validation error that remembers its field (a profile file adds the field's line)."""
+    e = UsageError(message)
+    e.field = field_name
+    return e
 
 
 def _coerce(where: str, value, typ):
@@ -299,18 +400,23 @@ def _coerce(where: str, value, typ):
     if origin is list:
         (inner,) = typing.get_args(typ)
         if not isinstance(value, list):
-            raise UsageError(f"{where}: expected a list, got {value!r}")
+            raise UsageError(f"{where}: expected a list, got {show(value)}")
         return [_coerce(where, v, inner) for v in value]
     if typ is bool:
         if isinstance(value, bool):
             return value
     elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             return value
     elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-6 (no dot) as a string
+        if is_int(value) or isinstance(value, float):
+            number = float(value) if isinstance(value, float) or abs(value) < 2**1000 else math.inf
+            if not math.isfinite(number):
+                raise UsageError(f"{where}: expected a finite number, got {show(value)}")
+            return number
     elif typ is str:
         if isinstance(value, str):
             return value
-    raise UsageError(f"{where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+    raise UsageError(f"{where}: expected {getattr(typ, '__name__', typ)}, got {show(value)}")

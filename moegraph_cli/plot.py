@@ -5,8 +5,10 @@ phase) and per-scope eager vs replay ms. matplotlib is optional and imported onl
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from .errors import MoegraphError
+from .outputs import write_atomically
 
 GIB = 2**30
 PHASE_COLOURS = {"eager": "#dbe9f6", "capture": "#eeeeee", "graph": "#dcf0dc",
@@ -84,5 +86,6 @@ def profile_plot(path: str, result: dict, timeline: dict) -> None:
     ax_ms.set_title("per scope: eager vs replay")
     ax_ms.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"  # the temp file's name has no suffix
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
     plt.close(fig)

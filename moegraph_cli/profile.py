@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from .capability import check_capturable
 from .errors import NotCapturableError, UsageError
 from .flops import peak_flops, step_flops
 from .graphs.contract import module_state
@@ -35,6 +34,7 @@ from .harness import (build_session, capture_into, device_info, make_trainer, pe
                       reset_peaks, timed_steps)
 from .nvml import NvmlSampler
 from .plan.memory import run_key
+from .preflight import check_inputs
 from .render import Progress
 from .runspec import RunSpec, build_model, pick_device
 from .train import Trainer, batches
@@ -52,16 +52,14 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
     prof, run = spec.profile, spec.profile.run
     if calibrate and rt is not None:
         raise UsageError("--calibrate measures one process; run it without --nproc")
-    device = pick_device(run.device if rt is None else str(rt.device), need_cuda=True)
     rank, world = (0, 1) if rt is None else (rt.rank, rt.world)
+    check_inputs(spec, steps=steps, world=world, ep=1 if rt is None else rt.ep_size)
     if rank != 0:
         plot = out = None
-    check_capturable(prof, run.pool)
     if plot:
         from .plot import require_matplotlib
         require_matplotlib()
-    if steps <= 0:
-        raise UsageError("--steps must be positive")
+    device = pick_device(run.device if rt is None else str(rt.device), need_cuda=True)
     warmup = max(1, run.warmup)
 
     torch.manual_seed(run.seed)
@@ -242,13 +240,13 @@ def write_savings(path: str, result: dict) -> None:
                      for k, rows in per_kind.items()},
         "eager_step_ms": result["eager_step_ms"], "graph_step_ms": result["graph_step_ms"],
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".json":
-        path.write_text(json.dumps(doc, indent=2) + "\n")
+    from .outputs import write_text_atomically
+
+    if Path(path).suffix == ".json":
+        write_text_atomically(path, json.dumps(doc, indent=2) + "\n")
     else:
         import yaml
-        path.write_text(yaml.safe_dump(json.loads(json.dumps(doc)), sort_keys=False))
+        write_text_atomically(path, yaml.safe_dump(json.loads(json.dumps(doc)), sort_keys=False))
 
 
 # -- calibration ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from .summary import fold_layers
 from .units import fmt_bytes
 
 out = Console(highlight=False, soft_wrap=True)
@@ -16,6 +17,10 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def error(message: str) -> None:
     err.print(f"moegraph: error: {message}", markup=False)
+
+
+def warning(message: str) -> None:
+    err.print(f"moegraph: warning: {message}", markup=False)
 
 
 def log(message: str) -> None:
@@ -58,16 +63,22 @@ def inspect_result(s: dict, as_json: bool) -> None:
     for k, v in p.items():
         t.add_row(k, f"{v:,}")
     out.print(t)
-    t = _table("static memory (weights, grads, AdamW states)", ["part", "bytes"])
+    t = _table("static memory (weights, grads, AdamW states; buffers: rope cos/sin for "
+               "run.seq_len) - what `moegraph plan` counts as static", ["part", "bytes"])
     for k, v in m.items():
         t.add_row(k, fmt_bytes(v))
     out.print(t)
-    t = _table("layers", ["layer", "kind", "params", "shapes"])
-    for layer in s["layers"]:
+    t = _table("layers (identical neighbours folded)", ["layers", "kind", "params per layer",
+                                                        "shapes"])
+    for g in s["layer_groups"]:
         shapes = ", ".join(f"{k.split('.')[-2] if k.endswith('weight') else k.split('.')[-1]}"
-                           f"{v}" for k, v in layer["shapes"].items())
-        t.add_row(str(layer["layer"]), layer["kind"], f"{layer['params']:,}", shapes)
+                           f"{v}" for k, v in g["shapes"].items())
+        t.add_row(_layer_span(g["first"], g["last"]), g["kind"], f"{g['params']:,}", shapes)
     out.print(t)
+
+
+def _layer_span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}\u2013{last}"
 
 
 def plan_result(r: dict, as_json: bool) -> None:
@@ -78,11 +89,25 @@ def plan_result(r: dict, as_json: bool) -> None:
     ranks = f" (one rank of --nproc {r['world']} --ep {r['ep']})" \
         if r.get("world", 1) > 1 else ""
     t = _table(f"plan: {r['profile']}{ranks} under {budget}; pool {r['pool'] or 'none'}",
-               ["layer", "scopes", "pool", "predicted bytes"])
-    for layer in r["layers"]:
-        t.add_row(str(layer["layer"]), "+".join(layer["scopes"]) or "none",
-                  layer["pool"] or "-", fmt_bytes(layer["predicted_bytes"]))
+               ["layers", "scopes", "pool", "predicted bytes"])
+    groups = fold_layers(r["layers"], lambda l: (l["scopes"], l["pool"], l["predicted_bytes"]))
+    for i, g in enumerate(groups):
+        each = fmt_bytes(g["predicted_bytes"]) + (f" \u00d7 {g['count']}" if g["count"] > 1
+                                                  and g["predicted_bytes"] else "")
+        t.add_row(_layer_span(g["first"], g["last"]), "+".join(g["scopes"]) or "none",
+                  g["pool"] or "-", each, end_section=i + 1 == len(groups))
+    reconcile = "layers_bytes" in r and r["pool_bytes"] > 0
+    if reconcile:
+        t.add_row("sum of layers", "", "", fmt_bytes(r["layers_bytes"]))
+        t.add_row("- I/O buffers", "", "", fmt_bytes(-r["io_bytes"]))
+        t.add_row("+ working space", "", "", fmt_bytes(r["pool_working_bytes"]))
+        t.add_row("= graph pools", "", "", fmt_bytes(r["pool_bytes"]))
     out.print(t)
+    if reconcile:
+        out.print("I/O buffers: captured scopes' static inputs and grad-outputs, outside the "
+                  "pools (counted in the eager peak); working space: transients at a pool's "
+                  f"peak, {r.get('fragmentation', 0) * 100:.0f}% fragmentation and segment "
+                  "rounding", markup=False)
     if r.get("pools"):
         t = _table("graph pools (predicted)", ["pool", "bytes"])
         for name, size in r["pools"].items():
@@ -251,17 +276,20 @@ def verify_result(r: dict, as_json: bool) -> None:
 
 
 class Progress:
-    """A rich progress bar on stderr (a no-op when disabled, e.g. under --json)."""
+    """A rich progress bar on stderr (a no-op when disabled, e.g. under --json, and when stderr
+    is not a terminal: a log file gets no bar remnants)."""
 
-    def __init__(self, enabled: bool, total: int, description: str):
-        self.enabled, self.total = enabled, total
+    def __init__(self, enabled: bool, total: int, description: str, in_bytes: bool = False):
+        """`in_bytes`: total and advances are bytes (shown as sizes and a rate), else counts."""
+        self.enabled, self.total = enabled and err.is_terminal, total
         self._bar = None
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, \
-                TextColumn, TimeElapsedColumn
-            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(),
-                                     MofNCompleteColumn(), TimeElapsedColumn(), console=err,
-                                     transient=True)
+        if self.enabled:
+            from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, \
+                Progress as RichProgress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+            counts = (DownloadColumn(binary_units=True), TransferSpeedColumn()) if in_bytes \
+                else (MofNCompleteColumn(),)
+            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), *counts,
+                                     TimeElapsedColumn(), console=err, transient=True)
             self._task = self._bar.add_task(description, total=total)
 
     def __enter__(self):
@@ -273,9 +301,9 @@ class Progress:
         if self._bar is not None:
             self._bar.__exit__(*exc)
 
-    def advance(self, description: str | None = None) -> None:
+    def advance(self, description: str | None = None, amount: int = 1) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, advance=1,
+            self._bar.update(self._task, advance=amount,
                              **({"description": description} if description else {}))
 
     def describe(self, description: str) -> None:

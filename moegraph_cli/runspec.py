@@ -3,13 +3,16 @@ with `--set` overrides, and the device; then build the model from it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .config import DEFAULT_PROFILE, Profile, load_profile, profile_from_model, read_hf_config
 from .errors import NotCapturableError, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -17,13 +20,15 @@ class RunSpec:
     profile: Profile
     checkpoint: Path | None
     source: str
+    warnings: list[str] = field(default_factory=list)  # one line each, for stderr
 
 
 def resolve(profile: str | None = None, checkpoint: str | None = None,
             overrides: list[str] | None = None) -> RunSpec:
+    """A checkpoint gives the architecture (its config.json); the profile (default: the
+    built-in one) gives the run and moe settings. When both are named and the profile's model
+    section disagrees with config.json, the spec carries a one-line warning saying where."""
     overrides = list(overrides or [])
-    if profile and checkpoint:
-        raise UsageError("give either --profile or a checkpoint directory, not both")
     if checkpoint:
         path = Path(checkpoint)
         if not path.is_dir():
@@ -33,13 +38,31 @@ def resolve(profile: str | None = None, checkpoint: str | None = None,
             raise UsageError(f"--set {bad[0]!r}: a checkpoint fixes the model; "
                              "override run.* or moe.* instead")
         cfg = read_hf_config(path)
-        prof = profile_from_model(cfg, name=path.name, overrides=overrides)
-        return RunSpec(prof, path, f"checkpoint {path}")
+        prof = profile_from_model(cfg, name=path.name, overrides=overrides,
+                                  base=profile or DEFAULT_PROFILE)
+        if not profile:
+            return RunSpec(prof, path, f"checkpoint {path}")
+        differ = _model_differences(load_profile(profile).model, cfg)
+        warnings = [] if not differ else [
+            f"profile {profile}'s model section differs from {path / 'config.json'} on "
+            + ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+            + "; the architecture is the checkpoint's, the run settings the profile's"]
+        return RunSpec(prof, path, f"checkpoint {path}, run settings of profile {profile}",
+                       warnings)
     name = profile or DEFAULT_PROFILE
     return RunSpec(load_profile(name, overrides), None, f"profile {name}")
 
 
+def _model_differences(from_profile, from_checkpoint) -> list[str]:
+    return [f"{f.name} (profile {getattr(from_profile, f.name)!r}, checkpoint "
+            f"{getattr(from_checkpoint, f.name)!r})"
+            for f in dataclasses.fields(from_profile)
+            if getattr(from_profile, f.name) != getattr(from_checkpoint, f.name)]
+
+
 def pick_device(name: str = "auto", need_cuda: bool = False) -> torch.device:
+    import torch
+
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():

@@ -48,6 +48,12 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
             "final_norm": cfg.hidden_size}
 
 
+def rope_buffer_bytes(cfg: ModelConfig, seq_len: int, dtype: str) -> int:
+    """The rope cos and sin tables [seq_len, head_dim] the model keeps for the run's length
+    (model/rope.py): static memory beside the parameters."""
+    return 2 * seq_len * cfg.head_dim * DTYPE_BYTES[dtype]
+
+
 def static_memory(cfg: ModelConfig, dtype: str) -> dict[str, int]:
     """Bytes that live for the whole run: weights, grads, AdamW exp_avg and exp_avg_sq.
 
@@ -59,13 +65,36 @@ def static_memory(cfg: ModelConfig, dtype: str) -> dict[str, int]:
     return out
 
 
+def fold_layers(layers: list[dict], key) -> list[dict]:
+    """Runs of consecutive layers whose `key(layer)` is equal, as {"first", "last", "count",
+    **the first layer}: one table row for layers 0-47 of a uniform model."""
+    groups: list[dict] = []
+    for layer in layers:
+        if groups and key(layer) == groups[-1]["_key"] \
+                and layer["layer"] == groups[-1]["last"] + 1:
+            groups[-1]["last"] = layer["layer"]
+            groups[-1]["count"] += 1
+        else:
+            groups.append({**layer, "first": layer["layer"], "last": layer["layer"],
+                           "count": 1, "_key": key(layer)})
+    for g in groups:
+        del g["_key"]
+    return groups
+
+
 def summarize(prof: Profile, source: str) -> dict:
+    """`static_memory_bytes` is what `moegraph plan` counts as static for the same run:
+    weights, grads, AdamW states and the rope tables for run.seq_len."""
     cfg = prof.model
     layers = []
     for i in range(cfg.num_hidden_layers):
         shapes = layer_shapes(cfg, i)
         layers.append({"layer": i, "kind": "moe" if cfg.is_moe_layer(i) else "dense",
                        "params": sum(_numel(s) for s in shapes.values()), "shapes": shapes})
+    static = static_memory(cfg, prof.run.dtype)
+    static["buffers"] = rope_buffer_bytes(cfg, prof.run.seq_len, prof.run.dtype)
+    static["total"] += static["buffers"]
+    static["total"] = static.pop("total")  # last, after the parts
     return {
         "source": source,
         "name": prof.name,
@@ -81,6 +110,9 @@ def summarize(prof: Profile, source: str) -> dict:
         "run": {"batch": prof.run.batch, "seq_len": prof.run.seq_len, "dtype": prof.run.dtype,
                 "moe_mode": prof.moe.mode, "capacity_factor": prof.moe.capacity},
         "params": param_counts(cfg),
-        "static_memory_bytes": static_memory(cfg, prof.run.dtype),
+        "static_memory_bytes": static,
         "layers": layers,
+        "layer_groups": [{k: g[k] for k in ("first", "last", "count", "kind", "params",
+                                            "shapes")}
+                         for g in fold_layers(layers, lambda l: (l["kind"], l["shapes"]))],
     }

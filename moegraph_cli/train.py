@@ -7,6 +7,8 @@ storage the same way (0 + g), and a captured backward graph can add into `.grad`
 
 from __future__ import annotations
 
+import functools
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -24,21 +26,78 @@ def synthetic_batch(vocab_size: int, batch: int, seq_len: int, seed: int, step: 
 
 
 def load_token_file(path: str | Path) -> torch.Tensor:
-    """A flat 1-D token id tensor from `.pt` (a saved tensor) or `.bin` (raw uint16, nanoGPT)."""
+    """A flat 1-D token id tensor from `.pt` (a saved integer tensor) or `.bin` (raw uint16,
+    nanoGPT); one-line errors for anything else. The last file read is kept (verify and the
+    input checks read it more than once)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"run.data: token file {path} does not exist")
-    if path.suffix == ".pt":
-        tokens = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point():
-            raise UsageError(f"run.data: {path} must hold an integer tensor of token ids")
-        return tokens.reshape(-1).long()
-    if path.suffix == ".bin":
-        raw = path.read_bytes()
+    if not path.is_file():
+        raise UsageError(f"run.data: {path} is not a regular file")
+    if path.suffix not in (".pt", ".bin"):
+        raise UsageError(f"run.data: {path} must be .pt (tensor of ids) or .bin (raw uint16 ids)")
+    stat = path.stat()  # the cache key: a changed file is read again
+    return _read_tokens(str(path.resolve()), (stat.st_ino, stat.st_mtime_ns, stat.st_size),
+                        str(path))
+
+
+@functools.lru_cache(maxsize=1)
+def _read_tokens(resolved: str, _version: tuple, shown: str) -> torch.Tensor:
+    try:
+        if resolved.endswith(".bin"):
+            raw = Path(resolved).read_bytes()
+        elif not _torch_save_file(resolved):
+            raise UsageError(f"run.data: {shown} is not a file written by torch.save (neither "
+                             "a zip archive nor a pickle)")
+        else:
+            with warnings.catch_warnings():  # e.g. a pickle protocol note: not the user's error
+                warnings.simplefilter("ignore")
+                tokens = torch.load(resolved, map_location="cpu", weights_only=True)
+    except OSError as e:
+        raise UsageError(f"run.data: {shown} cannot be read ({e.strerror or type(e).__name__})"
+                         ) from None
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch.load fails in many ways on a foreign file
+        if "weights_only" in str(e):
+            why = "it holds Python objects besides tensors; save a plain tensor of ids"
+        else:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:160]
+        raise UsageError(f"run.data: {shown} cannot be loaded by torch.load ({why})") from None
+    if resolved.endswith(".bin"):
         if len(raw) % 2:
-            raise UsageError(f"run.data: {path} has an odd byte count; expected raw uint16 ids")
+            raise UsageError(f"run.data: {shown} has an odd byte count; expected raw uint16 ids")
+        if not raw:
+            return torch.zeros(0, dtype=torch.long)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint16).long()
-    raise UsageError(f"run.data: {path} must be .pt (tensor of ids) or .bin (raw uint16 ids)")
+    if not isinstance(tokens, torch.Tensor) or tokens.layout != torch.strided \
+            or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        got = f"a {tokens.dtype} tensor" if isinstance(tokens, torch.Tensor) else \
+            f"a {type(tokens).__name__}"
+        raise UsageError(f"run.data: {shown} must hold an integer tensor of token ids, not {got}")
+    return tokens.reshape(-1).long()
+
+
+def _torch_save_file(path: str) -> bool:
+    """torch.save writes a zip archive (or, with the legacy format, a pickle: 0x80)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+
+
+def check_token_file(path: str | Path, vocab_size: int, need: int) -> torch.Tensor:
+    """The token ids of `path`, refused unless it has `need` tokens (one batch) and every id
+    is in 0..vocab_size-1."""
+    tokens = load_token_file(path)
+    if tokens.numel() < need:
+        raise UsageError(f"run.data: {path} has {tokens.numel()} tokens; one batch needs {need}")
+    low, high = (int(x) for x in torch.aminmax(tokens))
+    if low < 0:
+        raise UsageError(f"run.data: {path} holds the negative token id {low}; token ids are "
+                         f"0..{vocab_size - 1} (vocab_size {vocab_size})")
+    if high >= vocab_size:
+        raise UsageError(f"run.data: {path} holds token id {high} >= vocab_size {vocab_size}")
+    return tokens
 
 
 def batches(vocab_size: int, batch: int, seq_len: int, seed: int, device,
@@ -53,14 +112,7 @@ def batches(vocab_size: int, batch: int, seq_len: int, seed: int, device,
         for ids in batches(vocab_size, batch * world, seq_len, seed, "cpu", data, fixed):
             yield ids[rank * batch:(rank + 1) * batch].to(device)
         return
-    tokens = load_token_file(data) if data else None
-    if tokens is not None:
-        need = batch * seq_len
-        if tokens.numel() < need:
-            raise UsageError(f"run.data: {data} has {tokens.numel()} tokens; one batch needs {need}")
-        if int(tokens.max()) >= vocab_size:
-            raise UsageError(f"run.data: {data} holds token id {int(tokens.max())} >= vocab_size "
-                             f"{vocab_size}")
+    tokens = check_token_file(data, vocab_size, batch * seq_len) if data else None
     step = 0
     while True:
         s = 0 if fixed else step

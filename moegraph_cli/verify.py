@@ -21,9 +21,9 @@ import gc
 
 import torch
 
-from .capability import check_capturable
 from .errors import NotCapturableError, UsageError
 from .harness import build_session, capture_into, device_info, make_trainer
+from .preflight import check_inputs
 from .render import Progress
 from .runspec import RunSpec, build_model, pick_device
 from .summary import static_memory
@@ -65,13 +65,12 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
     if reference == "single" and rt is None:
         raise UsageError("--reference single compares a distributed run with one process; "
                          "add --nproc N")
-    if steps <= 0:
-        raise UsageError("--steps must be positive")
+    check_inputs(spec, steps=steps, world=1 if rt is None else rt.world,
+                 ep=1 if rt is None else rt.ep_size)
     if rt is not None:
         device = rt.device
     else:
         device = pick_device(run.device, need_cuda=run.device != "cpu")
-    check_capturable(prof)
     lr = 0.0 if lr0 else run.lr
     world = 1 if rt is None else rt.world
     side_by_side = 2.5 * static_memory(prof.model, run.dtype)["total"] / world \

@@ -98,6 +98,17 @@ def _normal_fp32(shape, std: float, device: torch.device, seed: int) -> torch.Te
                                                                           generator=gen)
 
 
+def seeded_value(name: str, shape, seed: int, std: float, expert: int | None = None,
+                 device="cpu") -> torch.Tensor:
+    """The fp32 value of parameter `name` (its full `shape`), or of expert `expert` of an expert
+    stack (`shape` is then one expert's). `seeded_init_` fills models from this; `moegraph
+    init` writes checkpoints from it one tensor at a time, without building the model."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.float32, device=device)
+    key = (name,) if expert is None else (name, expert)
+    return _normal_fp32(shape, std, torch.device(device), stable_seed(seed, *key))
+
+
 @torch.no_grad()
 def seeded_init_(model: nn.Module, seed: int, std: float,
                  expert_range: tuple[int, int] | None = None) -> None:
@@ -112,8 +123,6 @@ def seeded_init_(model: nn.Module, seed: int, std: float,
             local.fill_(1.0)
         elif is_expert_stack(name):
             for e in range(lo, hi):
-                local[e - lo].copy_(_normal_fp32(p.shape[1:], std, local.device,
-                                                 stable_seed(seed, name, e)))
+                local[e - lo].copy_(seeded_value(name, p.shape[1:], seed, std, e, local.device))
         else:
-            full = _normal_fp32(p.shape, std, local.device, stable_seed(seed, name))
-            local.copy_(full[lo:hi])
+            local.copy_(seeded_value(name, p.shape, seed, std, None, local.device)[lo:hi])

@@ -27,31 +27,68 @@ from pathlib import Path
 
 import yaml
 
+from ..documents import at, check_format, is_bytes, plain, read_document, show
 from ..errors import UsageError
-from .documents import read_document
-from .memory import describe_key, same_run
+from .memory import check_key, describe_key, same_run
 
 FORMAT = 1
+HINT = "write one with `moegraph profile --calibrate FILE` on a GPU"
 
 
 def load_calibration(path: str | Path) -> list[dict]:
+    """Every entry of a calibration file, each checked against the layout above."""
     path = Path(path)
-    raw = read_document(path, "calibration",
-                        "write one with `moegraph profile --calibrate FILE` on a GPU")
-    if not isinstance(raw, dict) or raw.get("moegraph_calibration") != FORMAT \
-            or not isinstance(raw.get("entries"), list):
-        raise UsageError(f"calibration {path}: not a moegraph calibration file "
-                         f"(expected moegraph_calibration: {FORMAT} and a list of entries)")
+    where = f"calibration {path}"
+    raw = read_document(path, "calibration", HINT)
+    check_format(raw, where, "moegraph_calibration", FORMAT, "a moegraph calibration file",
+                 HINT)
+    if not isinstance(raw.get("entries"), list):
+        raise UsageError(f"{at(where, raw, 'entries')}: entries must be a list, got "
+                         f"{show(raw.get('entries'))}")
     for i, entry in enumerate(raw["entries"]):
-        if not isinstance(entry, dict) or not isinstance(entry.get("key"), dict) \
-                or not isinstance(entry.get("scopes"), dict):
-            raise UsageError(f"calibration {path}: entry {i} has no key or scopes")
+        if not isinstance(entry, dict) or not isinstance(entry.get("scopes"), dict):
+            line = at(where, entry, "scopes") if isinstance(entry, dict) else \
+                at(where, raw, "entries")
+            raise UsageError(f"{line}: entry {i} must be a mapping with a key and scopes")
         for kind, s in entry["scopes"].items():
-            for f in ("saved_bytes", "out_bytes", "fwd_peak_bytes", "bwd_peak_bytes"):
-                if not isinstance(s, dict) or not isinstance(s.get(f), int):
-                    raise UsageError(f"calibration {path}: entry {i} scope {kind} lacks "
-                                     f"integer {f}")
-    return raw["entries"]
+            label = kind if isinstance(kind, str) and kind.isprintable() else show(kind)
+            name = f"entry {i} scope {label}"
+            if not isinstance(s, dict):
+                raise UsageError(f"{at(where, entry['scopes'], kind)}: {name} must be a mapping "
+                                 f"of byte counts, got {show(s)}")
+            _check_scope(s, where, name)
+        if not _layer_model_ok(entry.get("layer_model")):
+            raise UsageError(f"{at(where, entry, 'layer_model')}: entry {i} layer_model must "
+                             "hold pools (strategy: bytes) and eager_peak_reserved (bytes)")
+        check_key(entry.get("key"), where, f"entry {i} key")
+    return plain(raw["entries"])
+
+
+def _check_scope(s: dict, where: str, name: str) -> None:
+    for f in ("saved_bytes", "out_bytes", "fwd_peak_bytes", "bwd_peak_bytes"):
+        if not is_bytes(s.get(f)):
+            raise UsageError(f"{at(where, s, f)}: {name} lacks integer {f}")
+    if "in_grad_bytes" in s and not is_bytes(s["in_grad_bytes"]):
+        raise UsageError(f"{at(where, s, 'in_grad_bytes')}: {name} in_grad_bytes must be a "
+                         f"byte count, got {show(s['in_grad_bytes'])}")
+    if "saves_input" in s and not isinstance(s["saves_input"], bool):
+        raise UsageError(f"{at(where, s, 'saves_input')}: {name} saves_input must be true or "
+                         f"false, got {show(s['saves_input'])}")
+    pools = s.get("private_pools")
+    if pools is not None and not (isinstance(pools, list) and len(pools) == 2
+                                  and all(is_bytes(v) for v in pools)):
+        raise UsageError(f"{at(where, s, 'private_pools')}: {name} private_pools must be "
+                         f"[forward bytes, backward bytes], got {show(pools)}")
+
+
+def _layer_model_ok(layer) -> bool:
+    if layer is None:
+        return True
+    if not isinstance(layer, dict):
+        return False
+    pools = layer.get("pools") or {}
+    return isinstance(pools, dict) and all(is_bytes(v) for v in pools.values()) \
+        and (layer.get("eager_peak_reserved") is None or is_bytes(layer["eager_peak_reserved"]))
 
 
 def find_entry(entries: list[dict], key: dict) -> dict | None:

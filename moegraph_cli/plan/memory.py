@@ -64,7 +64,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from ..config import Profile
-from ..summary import DTYPE_BYTES, layer_shapes, static_memory
+from ..documents import at, is_int, is_number, show
+from ..errors import UsageError
+from ..summary import DTYPE_BYTES, layer_shapes, rope_buffer_bytes, static_memory
 
 if TYPE_CHECKING:
     from .parallel import FsdpLayout, Parallel
@@ -107,6 +109,30 @@ def run_key(prof: Profile, world: int = 1, ep: int = 1) -> dict:
             "dtype": prof.run.dtype, "moe_mode": prof.moe.mode,
             "capacity_factor": prof.moe.capacity, "model_hash": model_hash(prof),
             "world": world, "ep": ep}
+
+
+def check_key(key, where: str, field: str = "key") -> dict:
+    """A key read from a plan, savings or calibration file (`where`, e.g. "plan p.yaml"; the
+    key is its `field`), checked field by field against run_key's types. world and ep may be
+    absent: files written before distributed runs are one process."""
+    if not isinstance(key, dict):
+        raise UsageError(f"{where}: {field} must be a mapping of the run's batch, seq_len, "
+                         f"dtype, moe_mode and model_hash, got {show(key)}")
+    positive = (lambda v: is_int(v) and v > 0, "a positive integer")
+    text = (lambda v: isinstance(v, str) and v.isprintable(), "a one-line string")
+    rules = {"batch": positive, "seq_len": positive, "dtype": text, "moe_mode": text,
+             "model_hash": text, "profile": text,
+             "capacity_factor": (lambda v: v is None or is_number(v), "a number or null"),
+             "world": (lambda v: v is None or positive[0](v), "a positive integer"),
+             "ep": (lambda v: v is None or positive[0](v), "a positive integer")}
+    for name, (ok, what) in rules.items():
+        if name not in key:
+            if name in ("batch", "seq_len", "dtype", "moe_mode", "model_hash"):
+                raise UsageError(f"{at(where, key)}: {field} has no {name!r}")
+        elif not ok(key[name]):
+            raise UsageError(f"{at(where, key, name)}: {field}.{name} must be {what}, got "
+                             f"{show(key[name])}")
+    return key
 
 
 def ranks_of(key: dict) -> tuple[int, int]:
@@ -498,7 +524,7 @@ def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | Non
     else:
         static = static_per_rank(prof, parallel)[0]
     breakdown = static_per_rank(prof, parallel or Parallel())[1]
-    static["buffers"] = 2 * prof.run.seq_len * D * b  # rope cos/sin
+    static["buffers"] = rope_buffer_bytes(prof.model, prof.run.seq_len, prof.run.dtype)
     static["total"] += static["buffers"]
     breakdown.update(buffer_bytes=static["buffers"], total_bytes=static["total"])
     model = StepModel(prof=prof, scopes=scope_refs(prof), kinds=kinds, static=static,

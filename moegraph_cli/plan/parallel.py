@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 from ..checkpoint import moegraph_shapes
 from ..config import Profile
-from ..moe.routing import expert_capacity
 from ..summary import DTYPE_BYTES, layer_shapes
 from .memory import (ScopeMemory, _first_moe_layer, _param_bytes, expert_slots, rms_saved,
                      route_block)
@@ -294,6 +293,7 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
     N, NR = T * k, R * k
     capacity = None
     if prof.moe.capacity is not None:
+        from ..moe.routing import expert_capacity  # imports torch: only for capacity mode
         capacity = expert_capacity(T, k, E, prof.moe.capacity)
     saved = rms_saved(T, H, b, True) + b * T * H  # post norm; x_TH (router, the all-gather)
     saved += 4 * T * E + 8 * N  # softmax probs (fp32), top-k indices (int64)

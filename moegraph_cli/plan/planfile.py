@@ -26,11 +26,13 @@ from pathlib import Path
 import yaml
 
 from ..config import Profile
+from ..documents import at, check_format, is_bytes, is_int, plain, read_document, show
 from ..errors import UsageError
-from .documents import read_document
-from .memory import describe_key, describe_ranks, ranks_of, run_key, same_run
+from .memory import (STRATEGIES, check_key, describe_key, describe_ranks, ranks_of, run_key,
+                     same_run)
 
 FORMAT = 1
+HINT = "write one with `moegraph plan --out`"
 
 
 @dataclass
@@ -64,23 +66,36 @@ class Plan:
 
 
 def write_plan(path: str | Path, plan: Plan) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(plan.to_dict(), sort_keys=False, width=100))
+    """Atomically (outputs.py): a reader never sees half a plan."""
+    from ..outputs import write_text_atomically
+
+    write_text_atomically(path, yaml.safe_dump(plan.to_dict(), sort_keys=False, width=100))
 
 
 def load_plan(path: str | Path, profile: Profile, world: int = 1, ep: int = 1) -> Plan:
     """Read a plan and check it was made for `profile`'s run on `world` ranks with `ep`-way
-    expert parallelism (1, 1: one process); one-line errors otherwise."""
+    expert parallelism (1, 1: one process); one-line errors, with the line, otherwise."""
     path = Path(path)
-    raw = read_document(path, "plan", "write one with `moegraph plan --out`", syntax="YAML")
-    if not isinstance(raw, dict) or raw.get("moegraph_plan") != FORMAT:
-        raise UsageError(f"plan {path}: not a moegraph plan (expected moegraph_plan: {FORMAT})")
-    for name, typ in (("key", dict), ("pool", str), ("layers", list), ("pools", dict),
-                      ("predicted_peak", int)):
-        if not isinstance(raw.get(name), typ):
-            raise UsageError(f"plan {path}: field {name!r} is missing or not a "
-                             f"{typ.__name__}")
+    where = f"plan {path}"
+    raw = read_document(path, "plan", HINT, syntax="YAML")
+    check_format(raw, where, "moegraph_plan", FORMAT, "a moegraph plan", HINT)
+    for name, ok, what in (("key", lambda v: isinstance(v, dict), "a mapping"),
+                           ("pool", lambda v: v in (*STRATEGIES, "none"),
+                            f"one of {', '.join(STRATEGIES)}, none"),
+                           ("layers", lambda v: isinstance(v, list), "a list"),
+                           ("pools", lambda v: isinstance(v, dict), "a mapping"),
+                           ("predicted_peak", is_bytes, "a byte count"),
+                           ("budget", lambda v: v is None or is_bytes(v), "a byte count")):
+        if name not in raw and name != "budget":
+            raise UsageError(f"{at(where, raw)}: field {name!r} is missing")
+        if not ok(raw.get(name)):
+            raise UsageError(f"{at(where, raw, name)}: field {name!r} must be {what}, got "
+                             f"{show(raw[name])}")
+    check_key(raw["key"], where)
+    for name, size in raw["pools"].items():
+        if not isinstance(name, str) or not is_bytes(size):
+            raise UsageError(f"{at(where, raw['pools'], name)}: pool {show(name)} must have a "
+                             f"byte count, got {show(size)}")
     want = run_key(profile, world, ep)
     if not same_run(raw["key"], want):
         made = ranks_of(raw["key"])
@@ -92,18 +107,49 @@ def load_plan(path: str | Path, profile: Profile, world: int = 1, ep: int = 1) -
         raise UsageError(f"plan {path} was made for {describe_key(raw['key'])}, not this run "
                          f"{describe_key(want)}; run `moegraph plan` again")
     layers = profile.model.num_hidden_layers
+    seen: set[int] = set()
     for item in raw["layers"]:
-        if not isinstance(item, dict) or not isinstance(item.get("layer"), int) \
+        if not isinstance(item, dict) or not is_int(item.get("layer")) \
                 or not 0 <= item["layer"] < layers:
-            raise UsageError(f"plan {path}: layer entry {item!r} is not a layer of "
-                             f"{profile.name} (0..{layers - 1})")
-        bad = [s for s in item.get("scopes") or [] if s not in ("attn", "moe")]
-        if bad or not isinstance(item.get("scopes"), list):
-            raise UsageError(f"plan {path}: layer {item['layer']} has scopes "
-                             f"{item.get('scopes')!r}; expected a list of attn, moe")
+            if isinstance(item, dict):
+                line, got = at(where, item, "layer"), show(item.get("layer"))
+            else:
+                line, got = at(where, raw, "layers"), f"entry {show(item)}"
+            raise UsageError(f"{line}: layer {got} is not a layer of {profile.name} "
+                             f"(0..{layers - 1})")
+        layer = item["layer"]
+        if layer in seen:
+            raise UsageError(f"{at(where, item, 'layer')}: layer {layer} appears twice")
+        seen.add(layer)
+        scopes = item.get("scopes")
+        if not isinstance(scopes, list) or any(s not in ("attn", "moe") for s in scopes):
+            raise UsageError(f"{at(where, item, 'scopes')}: layer {layer} has scopes "
+                             f"{show(scopes)}; expected a list of attn, moe")
+        groups = item.get("groups")
+        if groups is None:
+            continue
+        names = _scope_names(profile, layer)
+        if not isinstance(groups, dict):
+            raise UsageError(f"{at(where, item, 'groups')}: layer {layer} has groups "
+                             f"{show(groups)}; expected a mapping of scope name to pool group")
+        for name, group in groups.items():
+            if name not in names:
+                raise UsageError(f"{at(where, groups, name)}: layer {layer} groups scope "
+                                 f"{show(name)}, which is not one of its scopes "
+                                 f"({', '.join(names)})")
+            if group is not None and not isinstance(group, str):
+                raise UsageError(f"{at(where, groups, name)}: the pool group of {name} must be "
+                                 f"a name or null, got {show(group)}")
     extra = {k: v for k, v in raw.items()
              if k not in ("moegraph_plan", "key", "pool", "layers", "pools", "predicted_peak",
                           "budget")}
-    return Plan(key=raw["key"], pool=raw["pool"], layers=raw["layers"],
-                pools={str(k): int(v) for k, v in raw["pools"].items()},
-                predicted_peak=raw["predicted_peak"], budget=raw.get("budget"), extra=extra)
+    return Plan(key=plain(raw["key"]), pool=raw["pool"], layers=plain(raw["layers"]),
+                pools={k: int(v) for k, v in raw["pools"].items()},
+                predicted_peak=raw["predicted_peak"], budget=raw.get("budget"),
+                extra=plain(extra))
+
+
+def _scope_names(profile: Profile, layer: int) -> list[str]:
+    """The model scopes of one layer, as GraphSession and the plan's `groups` name them."""
+    ffn = "moe" if profile.model.is_moe_layer(layer) else "mlp"
+    return [f"layers.{layer}.attn", f"layers.{layer}.{ffn}"]

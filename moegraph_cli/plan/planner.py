@@ -29,13 +29,13 @@ from pathlib import Path
 
 
 from ..capability import check_capturable
-from ..errors import UsageError
+from ..documents import at, check_format, is_number, read_document, show
+from ..errors import MoegraphError, UsageError
 from ..runspec import RunSpec
 from ..units import fmt_bytes, parse_bytes
 from .calibration import lookup
-from .documents import read_document
 from .memory import (FRAGMENTATION, KIND_OF_SCOPE, STRATEGIES, Prediction, ScopeRef, StepModel,
-                     describe_key, run_key, same_run, step_model)
+                     check_key, describe_key, run_key, same_run, step_model)
 from .parallel import Parallel
 from .planfile import Plan, write_plan
 
@@ -69,21 +69,33 @@ def estimated_savings() -> Savings:
 def load_savings(path: str | Path, key: dict) -> Savings:
     """The per-scope savings file `moegraph profile --out` writes (YAML or JSON)."""
     path = Path(path)
-    raw = read_document(path, "savings", "write one with `moegraph profile --out FILE` on a GPU")
-    if not isinstance(raw, dict) or raw.get("moegraph_savings") != 1 \
-            or not isinstance(raw.get("scopes"), dict):
-        raise UsageError(f"savings {path}: not a moegraph savings file (expected "
-                         "moegraph_savings: 1 and per-scope entries)")
-    if not same_run(raw.get("key") or {}, key):
-        raise UsageError(f"savings {path} was measured for {describe_key(raw.get('key') or {})}"
+    where = f"savings {path}"
+    hint = "write one with `moegraph profile --out FILE` on a GPU"
+    raw = read_document(path, "savings", hint)
+    check_format(raw, where, "moegraph_savings", 1, "a moegraph savings file", hint)
+    if not isinstance(raw.get("scopes"), dict):
+        raise UsageError(f"{at(where, raw, 'scopes')}: scopes must be a mapping of scope name "
+                         f"to saved_ms, got {show(raw.get('scopes'))}")
+    check_key(raw.get("key"), where)
+    if not same_run(raw["key"], key):
+        raise UsageError(f"savings {path} was measured for {describe_key(raw['key'])}"
                          f", not this run {describe_key(key)}; profile this run again")
     per_name = {}
     for name, s in raw["scopes"].items():
-        if not isinstance(s, dict) or not isinstance(s.get("saved_ms"), (int, float)):
-            raise UsageError(f"savings {path}: scope {name} has no numeric saved_ms")
-        per_name[name] = float(s["saved_ms"])
-    per_kind = {k: float(v["saved_ms"]) for k, v in (raw.get("per_kind") or {}).items()
-                if isinstance(v, dict) and isinstance(v.get("saved_ms"), (int, float))}
+        if not isinstance(s, dict) or not is_number(s.get("saved_ms")):
+            raise UsageError(f"{at(where, raw['scopes'], name)}: scope {show(name)} has no numeric "
+                             "saved_ms")
+        per_name[str(name)] = float(s["saved_ms"])
+    per_kind_raw = raw.get("per_kind") or {}
+    if not isinstance(per_kind_raw, dict):
+        raise UsageError(f"{at(where, raw, 'per_kind')}: per_kind must be a mapping of scope "
+                         f"kind to saved_ms, got {show(per_kind_raw)}")
+    per_kind = {}
+    for kind, v in per_kind_raw.items():
+        if not isinstance(v, dict) or not is_number(v.get("saved_ms")):
+            raise UsageError(f"{at(where, per_kind_raw, kind)}: per_kind {show(kind)} has no numeric "
+                             "saved_ms")
+        per_kind[str(kind)] = float(v["saved_ms"])
     return Savings(per_name, per_kind, f"measured ({path})")
 
 
@@ -182,7 +194,7 @@ def left_out(model: StepModel, best: Choice, budget: int, scopes: list[str], str
 
 def check_ranks(nproc: int | None, ep: int, num_experts: int) -> Parallel:
     """--nproc / --ep of `plan` (the run it predicts one rank of); exit 2 when invalid."""
-    from ..dist.runtime import check_parallelism
+    from ..dist.layout import check_parallelism
 
     world = 1 if nproc is None else nproc
     if world < 1:
@@ -202,6 +214,9 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
     """Plan one process, or (nproc > 1) one rank of `--nproc nproc --ep ep`: the budget, the
     static memory and every prediction are per rank."""
     prof = spec.profile
+    if spec.checkpoint is not None:
+        from ..checkpoint import plan_load
+        plan_load(spec.checkpoint, prof.model)  # names, shapes, dtypes, sizes: headers only
     parallel = check_ranks(nproc, ep, prof.model.num_experts)
     if calibration is not None and not parallel.single:
         raise UsageError(f"--calibration is measured in one process and cannot model a rank of "
@@ -227,18 +242,18 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
     eager_only = model.predict((False,) * len(model.scopes), strategies[0]).required
     rank = "" if parallel.single else \
         f" per rank of --nproc {parallel.world} --ep {parallel.ep}"
-    if budget_bytes < static:
-        raise UsageError(f"budget {fmt_bytes(budget_bytes)} is below the static memory of "
-                         f"{prof.name}{rank} (weights, grads and AdamW states: "
-                         f"{fmt_bytes(static)}); the smallest budget that fits a step is "
-                         f"{fmt_bytes(eager_only)}")
+    if budget_bytes < static:  # a valid request that cannot be met: exit 1, not usage
+        raise MoegraphError(f"budget {fmt_bytes(budget_bytes)} is below the static memory of "
+                            f"{prof.name}{rank} (weights, grads, AdamW states and buffers: "
+                            f"{fmt_bytes(static)}); the smallest budget that fits a step is "
+                            f"{fmt_bytes(eager_only)}")
     # every candidate's peak includes the eager phase: below it nothing fits, skip the search
     best = choose(model, budget_bytes, scopes, strategies, gains) \
         if budget_bytes >= eager_only else None
     if best is None:
-        raise UsageError(f"budget {fmt_bytes(budget_bytes)} does not fit one training step of "
-                         f"{prof.name}{rank} even with nothing captured; the smallest budget "
-                         f"that fits is {fmt_bytes(eager_only)}")
+        raise MoegraphError(f"budget {fmt_bytes(budget_bytes)} does not fit one training step of "
+                            f"{prof.name}{rank} even with nothing captured; the smallest budget "
+                            f"that fits is {fmt_bytes(eager_only)}")
     p = best.prediction
     strategy = p.strategy if any(p.captured) else None
     groups_of = _groups(model, p.captured, strategy)
@@ -267,6 +282,12 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
         "pool": strategy, "scopes_requested": scopes, "layers": layers,
         "static_bytes": static, "eager_peak": p.eager_peak, "pool_bytes": p.pool_bytes,
         "io_bytes": p.io_bytes, "pools": p.pools, "predicted_peak": p.peak,
+        # per-layer bytes are each scope's share of the pools plus its I/O buffers (which sit
+        # outside the pools); the pools also hold working space: transients at the pool's
+        # peak, fragmentation and segment rounding. layers - io + working = pools.
+        "layers_bytes": sum(layer["predicted_bytes"] for layer in layers),
+        "pool_working_bytes": p.pool_bytes - sum(layer["predicted_bytes"] for layer in layers)
+        + p.io_bytes,
         "headroom_bytes": p.headroom, "required_budget": p.required,
         "graph_phase_peak": p.graph_phase_peak, "eager_phase_peak": p.eager_phase_peak,
         "worst_moment": p.worst_moment, "fragmentation": model.fragmentation,

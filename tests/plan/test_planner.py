@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from cli_util import run_cli
 
 from moegraph_cli.config import load_profile
-from moegraph_cli.errors import UsageError
+from moegraph_cli.errors import MoegraphError, UsageError
 from moegraph_cli.plan.memory import STRATEGIES, run_key, step_model
 from moegraph_cli.plan.planfile import load_plan
 from moegraph_cli.plan.planner import Savings, choose, estimated_savings, plan_command
@@ -103,8 +103,9 @@ def test_measured_savings_steer_the_choice():
 # -- errors -------------------------------------------------------------------------------
 def test_budget_below_static_states_the_minimum():
     spec = resolve("tiny-qwen3-moe")
-    with pytest.raises(UsageError) as e:
+    with pytest.raises(MoegraphError) as e:
         plan_command(spec, budget="100MiB")
+    assert e.value.exit_code == 1  # a valid request that cannot be met, not a usage error
     msg = str(e.value)
     assert "\n" not in msg
     assert "below the static memory" in msg and "310.21 MiB" in msg  # weights+grads+AdamW
@@ -115,8 +116,9 @@ def test_budget_below_static_states_the_minimum():
 def test_budget_that_fits_nothing_states_the_smallest():
     spec = resolve("tiny-qwen3-moe")
     eager = step_model(spec.profile).predict((False,) * 4, "shared").required
-    with pytest.raises(UsageError) as e:
+    with pytest.raises(MoegraphError) as e:
         plan_command(spec, budget=str(eager - MiB))
+    assert e.value.exit_code == 1
     msg = str(e.value)
     assert "\n" not in msg and "even with nothing captured" in msg
     assert f"smallest budget that fits is {eager / MiB:.2f} MiB" in msg
