@@ -12,9 +12,28 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 def layer_shapes(cfg: ModelConfig, layer_idx: int) -> dict[str, list[int]]:
     """moegraph parameter names (relative to the layer) and shapes, from the checkpoint's name
     table (the one place that spells the model's parameters)."""
-    prefix = f"layers.{layer_idx}."
-    return {name[len(prefix):]: list(shape) for name, shape in moegraph_shapes(cfg).items()
-            if name.startswith(prefix)}
+    return {k: list(v) for k, v in all_layer_shapes(cfg).get(layer_idx, {}).items()}
+
+
+_SHAPES_CACHE: dict[str, dict[int, dict[str, list[int]]]] = {}
+
+
+def all_layer_shapes(cfg: ModelConfig) -> dict[int, dict[str, list[int]]]:
+    """Every layer's shapes from one pass over the name table (callers loop over layers:
+    rebuilding the table per layer made `inspect` quadratic in the layer count)."""
+    import dataclasses
+    import json
+
+    key = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    if key not in _SHAPES_CACHE:
+        out: dict[int, dict[str, list[int]]] = {}
+        for name, shape in moegraph_shapes(cfg).items():
+            if name.startswith("layers."):
+                _, idx, rest = name.split(".", 2)
+                out.setdefault(int(idx), {})[rest] = list(shape)
+        _SHAPES_CACHE.clear()
+        _SHAPES_CACHE[key] = out
+    return _SHAPES_CACHE[key]
 
 
 def _numel(shape: list[int]) -> int:
