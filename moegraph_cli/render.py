@@ -16,7 +16,8 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def error(message: str) -> None:
-    err.print(f"moegraph: error: {message}", markup=False)
+    one_line = " ".join(str(message).split())  # whatever a message holds, one line
+    err.print(f"moegraph: error: {one_line}", markup=False)
 
 
 def warning(message: str) -> None:

@@ -114,8 +114,8 @@ def write_entry(path: str | Path, entry: dict) -> None:
     entries = load_calibration(path) if path.is_file() else []
     entries = [e for e in entries if not same_run(e["key"], entry["key"])] + [entry]
     doc = {"moegraph_calibration": FORMAT, "entries": entries}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".json":
-        path.write_text(json.dumps(doc, indent=2) + "\n")
-    else:
-        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    from ..outputs import write_text_atomically
+
+    text = json.dumps(doc, indent=2) + "\n" if path.suffix == ".json" else \
+        yaml.safe_dump(doc, sort_keys=False)
+    write_text_atomically(path, text)  # the CLI checked the parent directory (--mkdir)
