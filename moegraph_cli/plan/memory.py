@@ -77,6 +77,15 @@ FRAGMENTATION = 0.05  # caching-allocator slack on dynamic bytes (pools and eage
 RUNTIME_BYTES = 32 * 2**20
 RUNTIME_GRAPH_BYTES = 3 * 32 * 2**20
 SEGMENT = 2 * 2**20  # the caching allocator's large-segment granularity
+# The caching allocator serves 1-10 MiB requests from 20 MiB segments, reserved whole, and a
+# pool whose blocks of that size are freed and requested again in other sizes keeps partly
+# used ones. Measured on the H200 (benchmarks/results/capture.json, tiny-qwen3-moe, whose
+# tensors are all 1-3 MiB): the shared pool reserved 72 MiB over its live peak, each private
+# per-entry pool about 20 MiB, the default pool about 100 MiB over the modelled eager peak.
+# Charged: one such segment per graph of a pool, up to MEDIUM_SEGMENTS_PER_POOL, and that many
+# for the default pool. Negligible next to a large model's pools (4 x 20 MiB).
+MEDIUM_SEGMENT = 20 * 2**20
+MEDIUM_SEGMENTS_PER_POOL = 4
 STRATEGIES = ("shared", "per_scope", "per_entry")
 KIND_OF_SCOPE = {"attn": "attn", "moe": "moe", "mlp": "moe"}  # model kind -> requested scope
 
@@ -241,10 +250,11 @@ class StepModel:
         static = self.static["total"]
         pool_total = sum(pools.values())
         runtime = self.runtime_graph if any(captured) else self.runtime
-        eager = int(eager_dyn * frag) + io + runtime + self.eager_offset
+        slack = MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT  # the default pool's
+        eager = int(eager_dyn * frag) + io + runtime + self.eager_offset + slack
         graph_phase = static + pool_total + eager
         base_dyn, _ = self._eager_dynamic((False,) * len(self.scopes))
-        eager_phase = static + int(base_dyn * frag) + self.runtime + self.eager_offset
+        eager_phase = static + int(base_dyn * frag) + self.runtime + self.eager_offset + slack
         return Prediction(strategy=strategy, captured=captured,
                           peak=max(graph_phase, eager_phase),
                           graph_phase_peak=graph_phase, eager_phase_peak=eager_phase,
@@ -301,7 +311,8 @@ class StepModel:
                 peak = max(peak, live + m.bwd_transient)
                 live += m.in_grad - m.saved
             offset = self.pool_offsets.get(strategy, 0)
-            pools[name] = _round_up(int(peak * frag) + max(offset, 0), SEGMENT)
+            medium = min(MEDIUM_SEGMENTS_PER_POOL, 2 * len(idx)) * MEDIUM_SEGMENT
+            pools[name] = _round_up(int(peak * frag) + max(offset, 0), SEGMENT) + medium
         return pools, scope_bytes
 
     def _io_buffers(self, captured, scope_bytes: dict[str, int]) -> int:
@@ -371,8 +382,8 @@ class StepModel:
 def _private_pools(m: ScopeMemory, frag: float) -> tuple[int, int]:
     if m.private_pools is not None:
         return m.private_pools
-    fwd = _round_up(int((m.saved + m.out + m.fwd_transient) * frag), SEGMENT)
-    bwd = _round_up(int(m.bwd_transient * frag), SEGMENT)
+    fwd = _round_up(int((m.saved + m.out + m.fwd_transient) * frag), SEGMENT) + MEDIUM_SEGMENT
+    bwd = _round_up(int(m.bwd_transient * frag), SEGMENT) + MEDIUM_SEGMENT
     return fwd, bwd
 
 

@@ -110,7 +110,7 @@ def test_budget_below_static_states_the_minimum():
     assert "\n" not in msg
     assert "below the static memory" in msg and "310.21 MiB" in msg  # weights+grads+AdamW
     eager = step_model(spec.profile).predict((False,) * 4, "shared").required
-    assert f"smallest budget that fits a step is {eager / MiB:.2f} MiB" in msg
+    assert f"smallest budget that fits a step is {fmt_bytes(eager)}" in msg
 
 
 def test_budget_that_fits_nothing_states_the_smallest():
@@ -121,7 +121,7 @@ def test_budget_that_fits_nothing_states_the_smallest():
     assert e.value.exit_code == 1
     msg = str(e.value)
     assert "\n" not in msg and "even with nothing captured" in msg
-    assert f"smallest budget that fits is {eager / MiB:.2f} MiB" in msg
+    assert f"smallest budget that fits is {fmt_bytes(eager)}" in msg
     assert plan_command(spec, budget=str(eager))["predicted_peak"] <= eager
 
 
@@ -228,7 +228,7 @@ def test_cli_plan_budget_auto_on_cpu_is_a_usage_error():
 
 def test_cli_plan_writes_file(tmp_path):
     out = tmp_path / "p.yaml"
-    code, stdout, stderr = run_cli("plan", "--budget", "1000MiB", "--out", str(out))
+    code, stdout, stderr = run_cli("plan", "--budget", "1200MiB", "--out", str(out))
     assert code == 0, stderr
     assert f"wrote {out}" in stdout
-    assert load_plan(out, load_profile("tiny-qwen3-moe")).predicted_peak <= 1000 * MiB
+    assert load_plan(out, load_profile("tiny-qwen3-moe")).predicted_peak <= 1200 * MiB
