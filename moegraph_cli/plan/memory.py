@@ -357,16 +357,7 @@ class StepModel:
             live += keep
             kept.append(keep)
             prev_eager = True
-        # final norm, lm head, loss: logits stay alive (the model output) through backward
-        live += t["norm_saved"] + t["logits"]
-        if live + t["loss_fwd_transient"] > peak:
-            peak, where = live + t["loss_fwd_transient"], "loss forward"
-        live += t["loss_saved"]
-        if live + t["loss_bwd_transient"] > peak:
-            peak, where = live + t["loss_bwd_transient"], "loss backward"
-        live -= t["norm_saved"] + t["loss_saved"]
-        if live + t["head_bwd_transient"] > peak:
-            peak, where = live + t["head_bwd_transient"], "lm-head backward"
+        live, peak, where = loss_moments(t, live, peak, where)
         for ref, cap, keep in zip(reversed(self.scopes), reversed(captured), reversed(kept)):
             if cap:
                 continue
@@ -377,6 +368,21 @@ class StepModel:
         if live + t["embed_bwd_transient"] > peak:
             peak, where = live + t["embed_bwd_transient"], "embedding backward"
         return peak, where
+
+
+def loss_moments(t: dict[str, int], live: int, peak: int, where: str) -> tuple[int, int, str]:
+    """Final norm, lm head and loss over `live` bytes: (live after them, peak, where). The
+    logits stay alive (the model output) through the backward."""
+    live += t["norm_saved"] + t["logits"]
+    if live + t["loss_fwd_transient"] > peak:
+        peak, where = live + t["loss_fwd_transient"], "loss forward"
+    live += t["loss_saved"]
+    if live + t["loss_bwd_transient"] > peak:
+        peak, where = live + t["loss_bwd_transient"], "loss backward"
+    live -= t["norm_saved"] + t["loss_saved"]
+    if live + t["head_bwd_transient"] > peak:
+        peak, where = live + t["head_bwd_transient"], "lm-head backward"
+    return live, peak, where
 
 
 def _private_pools(m: ScopeMemory, frag: float) -> tuple[int, int]:

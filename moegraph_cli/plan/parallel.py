@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from ..checkpoint import moegraph_shapes
 from ..config import Profile
 from ..summary import DTYPE_BYTES, layer_shapes
-from .memory import (ScopeMemory, _first_moe_layer, _param_bytes, expert_slots, rms_saved,
-                     route_block)
+from .memory import (ScopeMemory, _first_moe_layer, _param_bytes, expert_slots, loss_moments,
+                     rms_saved, route_block)
 
 EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down")
 
@@ -169,15 +169,7 @@ class FsdpLayout:
                 prev_eager = True
             if top > peak:
                 peak, where = top, label
-        live += t["norm_saved"] + t["logits"]
-        if live + t["loss_fwd_transient"] > peak:
-            peak, where = live + t["loss_fwd_transient"], "loss forward"
-        live += t["loss_saved"]
-        if live + t["loss_bwd_transient"] > peak:
-            peak, where = live + t["loss_bwd_transient"], "loss backward"
-        live -= t["norm_saved"] + t["loss_saved"]
-        if live + t["head_bwd_transient"] > peak:
-            peak, where = live + t["head_bwd_transient"], "lm-head backward"
+        live, peak, where = loss_moments(t, live, peak, where)
         live += self.head_grad  # unsharded until the root's reduce-scatter, after everything
         grads = 0  # this layer's unsharded grads so far (the scopes done in its backward)
         n = len(model.scopes)
