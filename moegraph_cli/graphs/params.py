@@ -44,10 +44,6 @@ class ParamBuffers:
             self._grads[key] = torch.zeros(shape, dtype=dtype, device=device)
         return self._grads[key]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (*self._values.values(), *self._grads.values()))
-
     def clear(self) -> None:
         self._values.clear()
         self._grads.clear()

@@ -115,6 +115,8 @@ class GraphedScope:
     def current_moving(self) -> list[torch.Tensor]:
         """The moving parameters as the module holds them now (inside an FSDP2 forward: the
         unsharded ones)."""
+        if not self.moving_names:  # every call asks: skip the module walk when there are none
+            return []
         named = dict(self.module.named_parameters())
         return [named[n] for n in self.moving_names]
 

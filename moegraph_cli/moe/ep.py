@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .routing import Dispatch, capacity_keep_TK, expert_capacity
+from .routing import Dispatch, local_dispatch
 
 
 @dataclass(frozen=True)
@@ -121,17 +121,6 @@ class _Connect(torch.autograd.Function):
         return (grad, *[torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.deps])
 
 
-def source_keep(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
-                capacity_factor: float | None) -> tuple[torch.Tensor | None, int | None]:
-    """Capacity mode at the source: (keep_TK, C) over this rank's tokens; (None, None) when
-    dropless."""
-    if capacity_factor is None:
-        return None, None
-    num_tokens, top_k = topk_ids_TK.shape
-    cap = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-    return capacity_keep_TK(topk_ids_TK, topk_weights_TK, num_experts, cap), cap
-
-
 def ep_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
            w_gate_up_local: torch.Tensor, w_down_local: torch.Tensor,
            capacity_factor: float | None, ep: EpGroup, experts) -> tuple[torch.Tensor,
@@ -140,7 +129,9 @@ def ep_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch
     w_down, dispatch)` computes the local experts (reference_experts or permute_free_experts);
     the expert weights are this rank's slice [E_l, ...]."""
     num_tokens, top_k = topk_ids_TK.shape
-    keep_TK, cap = source_keep(topk_ids_TK, topk_weights_TK, ep.num_experts, capacity_factor)
+    # Capacity is decided at the source, over this rank's own tokens (the one-process rule).
+    keep_TK, cap, _ = local_dispatch(topk_ids_TK, topk_weights_TK, ep.num_experts,
+                                     capacity_factor)
     if keep_TK is None:
         sent_ids = topk_ids_TK
         dropped = torch.zeros(1, dtype=torch.int64, device=x_TH.device)
