@@ -14,6 +14,7 @@ from .errors import MoegraphError
 from .flops import peak_flops, step_flops
 from .harness import (build_session, capture_into, device_info, dropped_routes, make_trainer,
                       peaks, reset_peaks, set_memory_limit, timed_steps)
+from .dist.context import place, ticker
 from .preflight import check_inputs
 from .render import Progress
 from .runspec import RunSpec, build_model, pick_device
@@ -24,9 +25,9 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
                     plan_file: str | None = None, memory_limit: str | None = None,
                     progress: bool = True, rt=None) -> dict | None:
     prof, run = spec.profile, spec.profile.run
+    rank, world, ep = place(rt)
     inputs = check_inputs(spec, plan_file=plan_file, memory_limit=memory_limit, steps=steps,
-                          warmup=warmup, world=1 if rt is None else rt.world,
-                          ep=1 if rt is None else rt.ep_size)
+                          warmup=warmup, world=world, ep=ep)
     device = pick_device(run.device if rt is None else str(rt.device), need_cuda=True)
     plan = inputs.plan
     steps = run.steps if steps is None else steps
@@ -36,7 +37,6 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
     torch.manual_seed(run.seed)
     model = build_model(spec, device, rt=rt)
     trainer = make_trainer(model, run.lr, run.weight_decay, rt)
-    rank, world = (0, 1) if rt is None else (rt.rank, rt.world)
     it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, device, run.data,
                  rank=rank, world=world)
     tokens = run.batch * run.seq_len  # per rank
@@ -44,11 +44,7 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
 
     total = 2 * (warmup + steps) + 1
     with Progress(progress and rank == 0, total, "eager steps") as bar:
-        def tick():
-            bar.advance()
-            if rt is not None:
-                rt.beat()
-
+        tick = ticker(bar, rt)
         reset_peaks()
         dropped_routes(model, reset=True)
         eager = timed_steps(trainer, it, steps, warmup, on_step=tick)

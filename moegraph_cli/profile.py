@@ -34,6 +34,7 @@ from .harness import (build_session, capture_into, device_info, make_trainer, pe
                       reset_peaks, timed_steps)
 from .nvml import NvmlSampler
 from .plan.memory import run_key
+from .dist.context import place, ticker
 from .preflight import check_inputs
 from .render import Progress
 from .runspec import RunSpec, build_model, pick_device
@@ -52,8 +53,8 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
     prof, run = spec.profile, spec.profile.run
     if calibrate and rt is not None:
         raise UsageError("--calibrate measures one process; run it without --nproc")
-    rank, world = (0, 1) if rt is None else (rt.rank, rt.world)
-    check_inputs(spec, steps=steps, world=world, ep=1 if rt is None else rt.ep_size)
+    rank, world, ep = place(rt)
+    check_inputs(spec, steps=steps, world=world, ep=ep)
     if rank != 0:
         plot = out = None
     if plot:
@@ -72,11 +73,7 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
     with NvmlSampler(device.index if device.index is not None else torch.cuda.current_device()
                      ) as nv, Progress(progress and rank == 0, 2 * (steps + warmup) + 4,
                                        "eager steps") as bar:
-        def tick(description=None):
-            bar.advance(description)
-            if rt is not None:
-                rt.beat()
-
+        tick = ticker(bar, rt)
         nv.mark("eager")
         reset_peaks()
         eager = timed_steps(trainer, it, steps, warmup, on_step=tick)
@@ -117,7 +114,7 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
     for phase in (eager, graph):
         del phase["all_ms"]
         phase["mfu"] = flops / (phase["step_ms"] / 1e3) / peak if peak else None
-    key = run_key(prof, world, 1 if rt is None else rt.ep_size)
+    key = run_key(prof, world, ep)
     result = {
         "profile": prof.name, "source": spec.source, "key": key, "scopes_requested": run.scopes,
         "pool": run.pool, "steps": steps, "scopes": scopes,

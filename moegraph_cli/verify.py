@@ -21,6 +21,7 @@ import gc
 
 import torch
 
+from .dist.context import place, ticker
 from .errors import NotCapturableError, UsageError
 from .harness import build_session, capture_into, device_info, make_trainer
 from .preflight import check_inputs
@@ -65,17 +66,15 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
     if reference == "single" and rt is None:
         raise UsageError("--reference single compares a distributed run with one process; "
                          "add --nproc N")
-    check_inputs(spec, steps=steps, world=1 if rt is None else rt.world,
-                 ep=1 if rt is None else rt.ep_size)
+    rank, world, ep = place(rt)
+    check_inputs(spec, steps=steps, world=world, ep=ep)
     if rt is not None:
         device = rt.device
     else:
         device = pick_device(run.device, need_cuda=run.device != "cpu")
     lr = 0.0 if lr0 else run.lr
-    world = 1 if rt is None else rt.world
     side_by_side = 2.5 * static_memory(prof.model, run.dtype)["total"] / world \
         < _free_memory(device)
-    rank = 0 if rt is None else rt.rank
 
     def make():
         torch.manual_seed(run.seed)
@@ -86,13 +85,9 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
         return batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, device,
                        run.data, rank=rank, world=world)
 
-    def tick():
-        bar.advance()
-        if rt is not None:
-            rt.beat()
-
     eager_losses, graph_losses, grad_max, grad_worst = [], [], 0.0, "-"
     with Progress(progress and rank == 0, 2 * steps + 1, "verify") as bar:
+        tick = ticker(bar, rt)
         graph_model, graph_trainer = make()
         gi = batch_iter()
         session = build_session(graph_model, run.scopes, run.pool, rt=rt)

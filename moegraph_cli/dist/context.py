@@ -45,8 +45,18 @@ def command_runtime(spec, ep: int = 1):
         teardown()
 
 
-def is_rank0(rt) -> bool:
-    return rt is None or rt.rank == 0
+def place(rt) -> tuple[int, int, int]:
+    """(rank, world size, ep degree) of this process; (0, 1, 1) when not distributed."""
+    return (0, 1, 1) if rt is None else (rt.rank, rt.world, rt.ep_size)
+
+
+def ticker(bar, rt):
+    """A per-step callback: advance the progress bar, and beat the rank's watchdog."""
+    def tick(description=None):
+        bar.advance(description)
+        if rt is not None:
+            rt.beat()
+    return tick
 
 
 PER_RANK = ("eager", "graph", "counters", "failure", "captured_ok", "pool_total_bytes",
