@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import UsageError
+from .errors import UsageError, one_line
 
 _SHOW_CHARS = 60
 
@@ -93,7 +93,7 @@ def parse_yaml(text: str, where: str, syntax: str = "YAML", marks: bool = True):
         if marks and e.problem and e.context and e.context_mark and e.problem_mark \
                 and e.context_mark.line != e.problem_mark.line:
             problem += f" ({e.context} from line {e.context_mark.line + 1})"
-        raise UsageError(f"{where}{pos}: not valid {syntax}: {_one_line(problem)}") from None
+        raise UsageError(f"{where}{pos}: not valid {syntax}: {one_line(problem)}") from None
     except yaml.reader.ReaderError as e:  # a control character: no mark, a position
         code = e.character if isinstance(e.character, int) else ord(e.character)
         newlines = text.count("\n", 0, e.position)
@@ -101,11 +101,11 @@ def parse_yaml(text: str, where: str, syntax: str = "YAML", marks: bool = True):
         raise UsageError(f"{where}{line}: not valid {syntax}: character U+{code:04X} is not "
                          "allowed") from None
     except yaml.YAMLError as e:
-        raise UsageError(f"{where}: not valid {syntax}: {_one_line(str(e))}") from None
+        raise UsageError(f"{where}: not valid {syntax}: {one_line(str(e))}") from None
     except RecursionError:
         raise UsageError(f"{where}: not valid {syntax}: nested too deeply") from None
     except (ValueError, OverflowError) as e:  # a tagged or timestamp scalar out of range
-        raise UsageError(f"{where}: not valid {syntax}: {_one_line(str(e))}") from None
+        raise UsageError(f"{where}: not valid {syntax}: {one_line(str(e))}") from None
 
 
 def parse_json(text: str, where: str):
@@ -118,7 +118,7 @@ def parse_json(text: str, where: str):
     except RecursionError:
         raise UsageError(f"{where}: invalid JSON (nested too deeply)") from None
     except ValueError as e:  # e.g. an integer with too many digits
-        raise UsageError(f"{where}: invalid JSON ({_one_line(str(e))})") from None
+        raise UsageError(f"{where}: invalid JSON ({one_line(str(e))})") from None
 
 
 def read_document(path: str | Path, what: str, hint: str, syntax: str = "YAML/JSON"):
@@ -178,7 +178,3 @@ def is_number(value) -> bool:
 def is_bytes(value) -> bool:
     """A byte count: an int in 0..2**63-1 (what a device's allocator can report)."""
     return is_int(value) and 0 <= value < 2**63
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())

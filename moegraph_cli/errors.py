@@ -12,6 +12,12 @@ EXIT_PARITY = 3
 EXIT_NOT_CAPTURABLE = 4
 
 
+def one_line(text) -> str:
+    """`text` with every run of whitespace (newlines included) as one space: a message the
+    CLI prints is always a single line."""
+    return " ".join(str(text).split())
+
+
 class MoegraphError(Exception):
     """An error with a one-line message and the exit code the CLI should return."""
 

@@ -8,6 +8,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from .errors import one_line
 from .summary import fold_layers
 from .units import fmt_bytes
 
@@ -16,8 +17,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def error(message: str) -> None:
-    one_line = " ".join(str(message).split())  # whatever a message holds, one line
-    err.print(f"moegraph: error: {one_line}", markup=False)
+    err.print(f"moegraph: error: {one_line(message)}", markup=False)
 
 
 def warning(message: str) -> None:

@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import EXIT_ERROR, UsageError
+from ..errors import EXIT_ERROR, UsageError, one_line
 
 ENV_LAUNCHED = "MOEGRAPH_LAUNCHED"
 ENV_ERROR_DIR = "MOEGRAPH_ERROR_DIR"
@@ -93,7 +93,7 @@ def collective_timeout_s() -> float:
 
 
 def _one_line(message: str) -> str:
-    return " ".join(str(message).split()) or "(no message)"
+    return one_line(message) or "(no message)"
 
 
 def report_error(message: str, exit_code: int, *, rank: int | None = None) -> None:
