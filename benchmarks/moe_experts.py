@@ -2,6 +2,8 @@
 
     python benchmarks/moe_experts.py [--shapes qwen3,mixtral,deepseek-v3-64e]
         [--tokens 1024,8192,32768] [--quick] [--check] [--sweep] [--out PATH]
+    python benchmarks/moe_experts.py --variants [--tokens 1024,8192,32768]
+        [--variant-names base,tma,...] [--out PATH]
 
 Times forward and backward separately (CUDA events, median after warm-up), peak memory of one
 forward+backward above the inputs' baseline, and TFLOP/s from useful FLOPs
@@ -10,6 +12,11 @@ logits -> softmax -> top-k; weights ~ N(0, 0.02) in bf16. A case that fails (OOM
 op) is recorded with its error and the run goes on. The last lines are a table; the records go
 to --out as JSON. --sweep times a few tile configs of every GEMM at one shape and prints the
 fastest; --check compares both impls with an fp32 reference on a small case first.
+
+--variants (see `variants` below): at the Qwen3 shape, every slot-GEMM kernel of the forward
+(FC1, FC2) and the dA / dX kernels under each GemmConfig variant (tma, persistent, ...) and a
+few tile configs, each checked against the default path's output; then the whole permute-free
+forward per variant. Writes its own JSON (--out, default results/moe_experts_variants.json).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,10 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
 from moegraph_cli.moe.experts import (build_routes, permute_free_moe,  # noqa: E402
-                                      tile_configs)
+                                      permute_free_moe_with_drops, tile_configs)
 from moegraph_cli.moe.reference import reference_moe  # noqa: E402
+from moegraph_kernels import gather_gemm  # noqa: E402
 from moegraph_kernels.gather_gemm import (GemmConfig, dact_swiglu, dp_tiles,  # noqa: E402
-                                          fc1_swiglu, slot_gemm)
+                                          fc1_config, fc1_swiglu, slot_gemm, slot_gemm_config)
 from moegraph_kernels.wgrad import expert_wgrad  # noqa: E402
 
 SHAPES = {  # name: (E, H, F, k)
@@ -277,6 +286,389 @@ def sweep(shape, T, env):
     return records
 
 
+# ---------------------------------------------------------------------------------------------
+# --variants: the slot-GEMM variants (GemmConfig tma / persistent / ...) at the Qwen3 shape.
+
+VARIANT_FIELDS = {  # name: GemmConfig fields (see kernels/gather_gemm.py)
+    "base": {},
+    "tma": dict(tma=True),
+    "persistent": dict(persistent=True),
+    "tma+persistent": dict(tma=True, persistent=True),
+    "tma+persistent+noflat": dict(tma=True, persistent=True, flatten=False),
+    "tma+persistent+ws": dict(tma=True, persistent=True, warp_specialize=True),
+}
+# Alternative tiles (block_m, block_n, block_k, group_m, num_warps, num_stages), each tried
+# under ALT_VARIANTS; every variant also runs the kernel's default tile.
+ALT_TILES = {
+    "fc1": [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
+            GemmConfig(128, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4)],
+    "fc2": [GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 4),
+            GemmConfig(64, 128, 64, 8, 4, 4)],
+    "dact": [GemmConfig(128, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4)],
+    "dx": [GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 4)],
+}
+ALT_VARIANTS = ("base", "tma+persistent")
+# Warp specialization (slot_gemm only): on Hopper 4 warps become 1 producer + 2 consumer warp
+# groups splitting a 128-row tile; the gathered kernels ignore the flag.
+WS_TILE = GemmConfig(128, 256, 64, 8, 4, 3)
+WS_KERNELS = ("fc2", "dx")
+VARIANT_KERNELS = ("fc1", "fc2", "dact", "dx")
+SLEEP_CYCLES = 200_000  # ~0.1 ms of GPU work queued ahead of each timed launch
+
+
+def kernel_flops(kernel, E, H, F_, k, T):
+    n = T * k
+    return {"fc1": 2 * n * H * 2 * F_, "fc2": 2 * n * F_ * H, "dact": 2 * n * H * F_,
+            "dx": 2 * n * 2 * F_ * H}[kernel]
+
+
+def time_events(fn, reps, warmup=2):
+    """Median ms of one launch: CUDA events around each launch, with a sleep kernel queued
+    first so the host's launch overhead (descriptors, arguments) stays off the measurement."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    pairs = []
+    for _ in range(reps):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        pairs.append((e0, e1))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in pairs)
+
+
+def time_graph(fn, reps):
+    """ms per call when one call is captured in a CUDA graph and replayed back to back."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        graph.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    del graph
+    return e0.elapsed_time(e1) / reps
+
+
+def time_throughput(fn, reps, warmup=2):
+    """ms per call of `reps` calls back to back between one pair of events (host overhead
+    overlaps GPU work, as in training)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / reps
+
+
+def _error(exc):
+    lines = str(exc).strip().splitlines()
+    # MLIR failures put the useful line after a long IR dump: keep the first and any 'error:'.
+    picked = [ln for ln in lines if "error" in ln.lower()][:2] or lines[:1]
+    return f"{type(exc).__name__}: {' | '.join(x.strip()[:200] for x in picked)}"
+
+
+def _compare(got, want, live):
+    """(max |diff| over live rows, bitwise equal) of lists of outputs."""
+    diff, equal = 0.0, True
+    for g, w in zip(got, want):
+        g, w = g[live], w[live]
+        if not torch.isfinite(g).all():
+            return math.inf, False
+        diff = max(diff, (g.float() - w.float()).abs().max().item() if g.numel() else 0.0)
+        equal = equal and torch.equal(g, w)
+    return diff, equal
+
+
+def _candidates(kernel, default_cfg, route_block, names):
+    seen, out = set(), []
+
+    def add(variant, tile):
+        if variant not in names or tile.block_m > route_block:
+            return
+        if smem_bytes(tile, 2 if kernel == "fc1" else 1) > 220 * 1024:
+            return
+        cfg = tile._replace(**VARIANT_FIELDS[variant])
+        if cfg not in seen:
+            seen.add(cfg)
+            out.append((variant, cfg, tile == default_cfg))
+
+    for variant in names:
+        if variant == "tma+persistent+ws":
+            if kernel in WS_KERNELS:
+                add(variant, WS_TILE)
+        else:
+            add(variant, default_cfg)
+    for tile in ALT_TILES[kernel]:
+        for variant in ALT_VARIANTS:
+            add(variant, tile)
+    return out
+
+
+def variants(tokens, names, env, out=None, deadline_s=200.0, device="cuda"):
+    """Per-kernel and whole-forward timings of the slot-GEMM variants at the Qwen3 shape.
+    Past `deadline_s` only the default tiles run. The records so far are rewritten to `out`
+    after every kernel, so a crash or a time limit loses little. (`device` exists for a CPU
+    smoke run.)"""
+    start = time.monotonic()
+    records = []
+
+    def save():
+        if out is not None:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(records, indent=1))
+
+    gather_gemm.FALLBACK_ON_ERROR = False  # a failing variant is an error here, not a fallback
+    for T in tokens:
+        alive = _variants_at(T, names, env, records, start + deadline_s, torch.device(device),
+                             save)
+        torch.cuda.empty_cache()
+        if not alive:
+            break
+    print(f"variants: {time.monotonic() - start:.0f} s")
+    return records
+
+
+def _variants_at(T, names, env, records, deadline, dev, save):
+    """One token count: every kernel's candidates, then the whole forward per variant. Appends
+    to `records`; False when the CUDA context was lost."""
+    E, H, F_, k = SHAPES["qwen3"]
+    nan = math.nan
+    x, ids, w, wgu, wd, dout = make_case(E, H, F_, k, T)
+    x, w, wgu, wd = (t.detach() for t in (x, w, wgu, wd))
+    base_cfgs = tile_configs(T * k, E, H, F_, dev)
+    block = base_cfgs.route_block
+    routes = build_routes(ids, w, E, block, None)
+    S, w_N = routes.num_slots, w.reshape(-1)
+    live = (routes.block_expert >= 0).repeat_interleave(block)
+    bf = x.dtype
+    y1, act = torch.empty(S, 2 * F_, device=dev, dtype=bf), torch.empty(S, F_, device=dev,
+                                                                      dtype=bf)
+    fc1_swiglu(x, wgu, w_N, routes, y1, act, base_cfgs.fc1)
+    dy1 = torch.empty_like(y1)
+    dact_swiglu(dout, wd, y1, w_N, routes, dy1, torch.empty_like(act),
+                torch.empty(S, dp_tiles(F_, base_cfgs.dact), device=dev), base_cfgs.dact)
+    outs = {"fc1": [torch.empty_like(y1), torch.empty_like(act)],
+            "fc2": [torch.empty(S, H, device=dev, dtype=bf)],
+            "dact": [torch.empty_like(y1), torch.empty_like(act)],
+            "dx": [torch.empty(S, H, device=dev, dtype=bf)]}
+    dp_bufs = {}
+
+    def launcher(kernel, cfg):
+        o = outs[kernel]
+        if kernel == "fc1":
+            return lambda: fc1_swiglu(x, wgu, w_N, routes, o[0], o[1], cfg)
+        if kernel == "fc2":
+            return lambda: slot_gemm(act, wd, routes, o[0], w_nk=True, cfg=cfg)
+        if kernel == "dx":
+            return lambda: slot_gemm(dy1, wgu, routes, o[0], w_nk=False, cfg=cfg)
+        tiles = dp_tiles(F_, cfg)
+        if tiles not in dp_bufs:
+            dp_bufs[tiles] = torch.empty(S, tiles, device=dev)
+        dp = dp_bufs[tiles]
+        return lambda: dact_swiglu(dout, wd, y1, w_N, routes, o[0], o[1], dp, cfg)
+
+    def written(kernel, cfg):
+        return outs[kernel] + ([dp_bufs[dp_tiles(F_, cfg)]] if kernel == "dact" else [])
+
+    def snapshot(kernel, cfg):
+        got = list(outs[kernel])
+        if kernel == "dact":  # dp's columns follow block_n: compare its row sums
+            got.append(dp_bufs[dp_tiles(F_, cfg)].sum(dim=1))
+        return got
+
+    default = {"fc1": base_cfgs.fc1, "fc2": base_cfgs.fc2, "dact": base_cfgs.dact,
+               "dx": base_cfgs.dx}
+    reference, best, kernel_ms = {}, {}, {}
+    reps = 20 if T <= 8192 else 10
+    for kernel in VARIANT_KERNELS:
+        flops = kernel_flops(kernel, E, H, F_, k, T)
+        for variant, cfg, is_default in _candidates(kernel, default[kernel], block, names):
+            rec = dict(mode="variants", shape="qwen3", T=T, kernel=kernel, variant=variant,
+                       config=list(cfg)[:6], default_tile=is_default, route_block=block,
+                       **env)
+            if not is_default and time.monotonic() > deadline:
+                rec["error"] = "skipped: past the time budget"
+                records.append(rec)
+                continue
+            try:
+                fn = launcher(kernel, cfg)
+                for t in written(kernel, cfg):  # a row left unwritten shows up as NaN
+                    t.fill_(nan)
+                fn()
+                torch.cuda.synchronize()
+                plan = gather_gemm.LAST_PLAN[kernel]
+                rec["ran"] = plan._asdict()
+                got = snapshot(kernel, cfg)
+                if kernel not in reference:  # the first candidate is the default path
+                    assert variant == "base" and is_default, (variant, cfg)
+                    reference[kernel] = [t.clone() for t in got]
+                diff, equal = _compare(got, reference[kernel], live)
+                scale = max(t[live].float().abs().max().item() for t in reference[kernel])
+                ms = time_events(fn, reps)
+                rec.update(kernel_ms=ms, tflops=flops / ms / 1e9, max_abs_diff=diff,
+                           bitwise=equal, ok=diff <= 1e-2 * max(scale, 1.0))
+                if T <= 1024:
+                    try:
+                        rec["graph_ms"] = time_graph(fn, 50)
+                        rec["graph_tflops"] = flops / rec["graph_ms"] / 1e9
+                    except Exception as exc:  # capture failed: keep the eager timing
+                        rec["graph_error"] = _error(exc)
+                kernel_ms[kernel, cfg] = ms
+                if rec["ok"] and (kernel not in best or ms < best[kernel][0]):
+                    best[kernel] = (ms, cfg, variant)
+            except Exception as exc:  # compile failure, out of resources, ...: record it
+                rec["error"] = _error(exc)
+                try:
+                    torch.cuda.synchronize()
+                except Exception as ctx_exc:  # the CUDA context is gone: stop here
+                    rec["error"] += f" (CUDA context lost: {_error(ctx_exc)})"
+                    records.append(rec)
+                    print(json.dumps(rec), flush=True)
+                    save()
+                    return False
+            records.append(rec)
+            _print_variant_line(rec)
+        save()
+
+    # The whole permute-free forward (routing, FC1, FC2, combine) per variant.
+    fflops = fwd_flops(E, H, F_, k, T)
+    fwd_ref = None
+    plans = [(name, VARIANT_FIELDS[name]) for name in names]
+    if "fc1" in best and "fc2" in best:
+        plans.append(("best", None))
+    if block < 128:  # few routes per expert: would 128-row blocks (one per expert) read less?
+        plans += [(f"rb128:{name}", VARIANT_FIELDS[name]) for name in ("base", "tma+persistent")
+                  if name in names]
+    for name, fields in plans:
+        rec = dict(mode="variants_forward", shape="qwen3", T=T, variant=name, **env)
+        if name.startswith("rb128:"):
+            cfgs = base_cfgs._replace(route_block=128, fc1=fc1_config(F_, 128, dev),
+                                      fc2=slot_gemm_config(H, 128, dev))
+            cfgs = cfgs._replace(fc1=cfgs.fc1._replace(**fields), fc2=cfgs.fc2._replace(**fields))
+        elif fields is None:
+            cfgs = base_cfgs._replace(fc1=best["fc1"][1], fc2=best["fc2"][1])
+        elif name == "tma+persistent+ws":  # FC1 gathers: it has no warp-specialized form
+            cfgs = base_cfgs._replace(
+                fc1=base_cfgs.fc1._replace(**VARIANT_FIELDS["tma+persistent"]),
+                fc2=(WS_TILE if block >= 128 else base_cfgs.fc2)._replace(**fields))
+        else:
+            cfgs = base_cfgs._replace(fc1=base_cfgs.fc1._replace(**fields),
+                                      fc2=base_cfgs.fc2._replace(**fields))
+        rec.update(fc1=list(cfgs.fc1), fc2=list(cfgs.fc2))
+        try:
+            def fwd(cfgs=cfgs):
+                return permute_free_moe_with_drops(x, ids, w, wgu, wd, None, cfgs)[0]
+
+            with torch.no_grad():
+                y = fwd()
+                if fwd_ref is None:
+                    fwd_ref = y.clone()
+                diff, equal = _compare([y], [fwd_ref], slice(None))
+                ms = time_throughput(fwd, reps)
+                rec.update(fwd_ms=ms, fwd_tflops=fflops / ms / 1e9, max_abs_diff=diff,
+                           bitwise=equal)
+                if T <= 1024:
+                    try:
+                        rec["graph_fwd_ms"] = time_graph(fwd, 20)
+                        rec["graph_fwd_tflops"] = fflops / rec["graph_fwd_ms"] / 1e9
+                    except Exception as exc:
+                        rec["graph_error"] = _error(exc)
+                pair = [kernel_ms.get(("fc1", cfgs.fc1)), kernel_ms.get(("fc2", cfgs.fc2))]
+                if None not in pair:
+                    rec["fc1_fc2_ms"] = sum(pair)
+                    rec["fc1_fc2_tflops"] = fflops / sum(pair) / 1e9
+        except Exception as exc:
+            rec["error"] = _error(exc)
+        records.append(rec)
+        print(json.dumps({k_: v for k_, v in rec.items() if k_ not in env}), flush=True)
+    save()
+    return True
+
+
+def _print_variant_line(rec):
+    head = (f"{rec['T']:>6} {rec['kernel']:>4} {rec['variant']:<22} "
+            f"{str(tuple(rec['config'])):<28}")
+    if "error" in rec:
+        print(head + " " + rec["error"], flush=True)
+        return
+    ran = rec["ran"]
+    ran_s = ("tma " if ran["tma"] else "") + ("persistent " if ran["persistent"] else "") + (
+        "ws " if ran["warp_specialize"] else "") + ("" if ran["flatten"] or not ran["persistent"]
+                                                    else "noflat")
+    print(head + f" {rec['kernel_ms']:8.3f} ms {rec['tflops']:6.0f} TF/s"
+          + (f"  graph {rec['graph_ms']:.3f} ms" if "graph_ms" in rec else "")
+          + f"  diff {rec['max_abs_diff']:.1e}{' bitwise' if rec['bitwise'] else ''}"
+          + f"  ran: {ran_s.strip() or 'pointer'}", flush=True)
+
+
+def print_variant_tables(records, names):
+    rows = [r for r in records if r.get("mode") == "variants"]
+    if not rows:
+        return
+    print("\nPer-kernel TFLOP/s, best tile of each variant (* = not the default tile; "
+          "! = output off the default path; x = failed; graph = CUDA-graph replay)")
+    print(f"{'T':>6} {'kernel':<6}" + "".join(f"{n:>23}" for n in names))
+    for T in sorted({r["T"] for r in rows}):
+        for kernel in VARIANT_KERNELS:
+            cells = []
+            for name in names:
+                mine = [r for r in rows if r["T"] == T and r["kernel"] == kernel and
+                        r["variant"] == name]
+                good = [r for r in mine if "tflops" in r]
+                if not good:
+                    cells.append("x" if any("error" in r and not r["error"].startswith("skip")
+                                            for r in mine) else "-")
+                    continue
+                r = max(good, key=lambda r: r["tflops"])
+                cell = f"{r['tflops']:.0f}" + ("" if r["default_tile"] else "*") + (
+                    "" if r["ok"] else "!")
+                if "graph_tflops" in r:
+                    cell += f" (graph {r['graph_tflops']:.0f})"
+                cells.append(cell)
+            print(f"{T:>6} {kernel:<6}" + "".join(f"{c:>23}" for c in cells))
+    fwd = [r for r in records if r.get("mode") == "variants_forward"]
+    if fwd:
+        print("\nWhole forward (routing + FC1 + FC2 + combine), TFLOP/s: events over back-to-back "
+              "calls; graph = replay; FC1+FC2 = from the kernel times alone")
+        print(f"{'T':>6} {'variant':<22}{'fwd ms':>9}{'TF/s':>7}{'graph TF/s':>12}"
+              f"{'FC1+FC2 TF/s':>14}{'max|diff|':>11}  error")
+        for r in fwd:
+            def f(key, fmt):
+                width = int(fmt.split(".")[0])
+                return format(r[key], fmt) if key in r else "-".rjust(width)
+            print(f"{r['T']:>6} {r['variant']:<22}{f('fwd_ms', '9.3f')}{f('fwd_tflops', '7.0f')}"
+                  f"{f('graph_fwd_tflops', '12.0f')}{f('fc1_fc2_tflops', '14.0f')}"
+                  f"{f('max_abs_diff', '11.1e')}  {r.get('error', '')}")
+    print("\nFastest correct config per kernel:")
+    for T in sorted({r["T"] for r in rows}):
+        for kernel in VARIANT_KERNELS:
+            good = [r for r in rows if r["T"] == T and r["kernel"] == kernel and r.get("ok")]
+            if good:
+                r = min(good, key=lambda r: r["kernel_ms"])
+                base = [b for b in good if b["variant"] == "base" and b["default_tile"]]
+                speed = f"{base[0]['kernel_ms'] / r['kernel_ms']:.2f}x vs default" if base else ""
+                print(f"  T={T:<6} {kernel:<5} {r['variant']:<22} {tuple(r['config'])} "
+                      f"{r['kernel_ms']:.3f} ms {r['tflops']:.0f} TF/s  {speed}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -285,14 +677,35 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep at --sweep-shape")
     ap.add_argument("--sweep-shape", default="qwen3:8192")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "moe_experts.json"))
+    ap.add_argument("--variants", action="store_true",
+                    help="time the slot-GEMM variants (tma, persistent, ...) at the Qwen3 shape")
+    ap.add_argument("--variant-names", default=",".join(VARIANT_FIELDS),
+                    help="variants to run with --variants (base is always run first)")
+    ap.add_argument("--out", default=None, help="JSON records (default results/moe_experts.json, "
+                    "or results/moe_experts_variants.json with --variants)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_experts: needs a CUDA GPU")
+    results = Path(__file__).parent / "results"
+    args.out = args.out or str(results / ("moe_experts_variants.json" if args.variants
+                                          else "moe_experts.json"))
 
     now = datetime.datetime.now().isoformat(timespec="seconds")
     env = dict(gpu=torch.cuda.get_device_name(), torch=str(torch.__version__),
                triton=triton.__version__, date=now)
+    if args.variants:
+        names = ["base"] + [n for n in args.variant_names.split(",") if n and n != "base"]
+        unknown = [n for n in names if n not in VARIANT_FIELDS]
+        if unknown:
+            sys.exit(f"moe_experts: unknown variant {unknown[0]}; "
+                     f"known: {', '.join(VARIANT_FIELDS)}")
+        out = Path(args.out)
+        records = variants([int(t) for t in args.tokens.split(",")], names, env, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records, indent=1))
+        print(f"\n{env['gpu']}  torch {env['torch']}  triton {env['triton']}  -> {out}")
+        print_variant_tables(records, names)
+        return
     records = []
     if args.check and not check():
         sys.exit(1)

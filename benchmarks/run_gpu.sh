@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: install, then the named stages, each under its own time limit,
 # logs and JSON under $OUT. Usage: bash benchmarks/run_gpu.sh STAGE[:SECONDS] ...
-# Stages: tests, kernels_tests, graphs_tests, eager, experts, experts_sweep, capture, planner, profile
+# Stages: tests, kernels_tests, graphs_tests, eager, experts, experts_sweep, capture, planner, profile,
+# and for the whole step (issue 9): step_tests, whole_step, expert_breakdown, optimizer, loss, variants
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=/tmp/mg_work; mkdir -p "$WORK"   # everything lands here; $OUT gets one archive (file limit)
@@ -27,6 +28,14 @@ for arg in "$@"; do
     planner_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_planner_cuda.py" ;;
     planner) cmd="python3 benchmarks/planner.py --no-steady --out $WORK/planner.json" ;;
     profile) cmd="python3 benchmarks/planner.py --mode profile-tiny --out $WORK/profile_tiny.json" ;;
+    step_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_optim.py tests/test_loss.py" ;;
+    whole_step) cmd="python3 benchmarks/whole_step.py --out $WORK/whole_step.json" ;;
+    expert_breakdown) cmd="python3 benchmarks/expert_breakdown.py --out $WORK/expert_breakdown.json" ;;
+    optimizer) cmd="python3 benchmarks/optimizer.py --out $WORK/optimizer.json" ;;
+    loss) cmd="python3 benchmarks/loss.py --out $WORK/loss.json" ;;
+    step_ops) cmd="python3 benchmarks/step_ops.py --out $WORK/step_ops.json" ;;
+    variants_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py" ;;
+    variants) cmd="python3 benchmarks/moe_experts.py --variants --out $WORK/moe_variants.json" ;;
     *) echo "unknown stage $stage"; continue ;;
   esac
   echo "=== $stage (limit ${limit}s): $cmd"

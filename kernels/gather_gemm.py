@@ -18,18 +18,57 @@ block_expert == -1 exit at once: their rows are never written and never read by 
 feeds a real result. Row index * row stride is formed in int64.
 Tile configs are picked on the host from static shapes (no autotune: the kernels are captured
 in CUDA graphs); BLOCK_M must divide the RouteList's block_m.
+
+Variants (GemmConfig fields; each falls back to the pointer path where it cannot run, see
+tma.py; the default is the pointer path with one program per tile):
+- `tma`: weight tiles (and, in slot_gemm, the slot-order A tiles) load through host-side TMA
+  tensor descriptors. The gathered A tiles of fc1_swiglu / dact_swiglu stay pointer loads. A
+  weight w [E, R, C] is one [E*R, C] descriptor: a tile that runs past an expert's R rows
+  reads the next expert's rows, which is harmless where those rows only feed output columns
+  the store masks off (w [E, N, K]: fc1, fc2); where they would be contracted (w [E, K, N]:
+  dact, dX) the TMA path is taken only when K is a multiple of BLOCK_K.
+- `persistent`: one program per SM looping over the live tiles (`tl.range`). Each program
+  first writes the list of live M blocks (and their experts) into its rows of a
+  [grid, 2, S / BLOCK_M] int32 scratch the launcher allocates. Tiles of -1 blocks
+  are then never visited, and every tile runs the same K loop, with bounds that do not
+  depend on the tile -- which lets `flatten` (default on) fuse the tile and K loops, so the
+  pipeliner overlaps one tile's epilogue with the next tile's loads.
+- `warp_specialize` (persistent + tma, slot_gemm only, block_m 128): passed to that tl.range.
+  On Hopper (Triton 3.6) the pass splits a loop whose loads are all TMA into a producer warp
+  group and two consumer warp groups of 64 rows (num_warps=4 -> 12 warps), and only when the
+  loop is not flattened, so flatten is dropped there. The gathered kernels ignore it: the pass
+  asserts on their pointer loads.
+Every variant computes each output tile with the default's tile shape and K order, so on a GPU
+its results are bitwise equal to the default path's (the cuda tests check it). In the
+interpreter too, except the transposed TMA weight tile of fc1 / fc2, which numpy's matmul sums
+in another order (equal to 1e-6).
+The shared gathered K loop (`gathered_k_loop`) serves fc1_swiglu and dact_swiglu.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from . import tma
 from .gated_act import swiglu_backward, swiglu_forward
 from .route_align import RouteList
+
+# Persistent launches list the live M blocks LIST_CHUNK blocks at a time (LIST_CHUNK_WS when
+# warp-specialized: that list is built without a scan, by a CHUNK x CHUNK comparison).
+LIST_CHUNK = 1024
+LIST_CHUNK_WS = 128
+
+
+# Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
+# compiled but its first launch failed with "operation not supported on global/shared address
+# space" and lost the CUDA context (not recoverable, so no fallback can catch it). A config
+# asking for it runs the persistent TMA kernel without warp specialization.
+WARP_SPECIALIZE_ENABLED = False
 
 
 class GemmConfig(NamedTuple):
@@ -39,6 +78,54 @@ class GemmConfig(NamedTuple):
     group_m: int
     num_warps: int
     num_stages: int
+    # Variants of fc1_swiglu / slot_gemm / dact_swiglu (see the module docstring); wgrad
+    # ignores them. Defaults keep the pointer path, one program per tile.
+    tma: bool = False
+    persistent: bool = False
+    flatten: bool = True  # persistent only
+    warp_specialize: bool = False  # persistent only
+
+    @property
+    def variant(self) -> str:
+        """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat'."""
+        parts = (["tma"] if self.tma else []) + (["persistent"] if self.persistent else [])
+        if self.persistent and self.warp_specialize:
+            parts.append("ws")
+        if self.persistent and not self.flatten:
+            parts.append("noflat")
+        return "+".join(parts) or "base"
+
+    def with_variant(self, name: str) -> GemmConfig:
+        """This tile under the variant `name` ('base', 'tma', 'tma+persistent+ws', ...: the
+        `variant` property's spelling)."""
+        parts = set(name.split("+")) - {"base"}
+        unknown = parts - {"tma", "persistent", "ws", "noflat"}
+        if unknown:
+            raise ValueError(f"GemmConfig: unknown variant part {sorted(unknown)[0]!r} in "
+                             f"{name!r}; parts are tma, persistent, ws, noflat")
+        return self._replace(tma="tma" in parts, persistent="persistent" in parts,
+                             warp_specialize="ws" in parts, flatten="noflat" not in parts)
+
+
+class Plan(NamedTuple):
+    """What a launch actually ran: the requested variant minus what was not available."""
+    tma: bool
+    persistent: bool
+    flatten: bool
+    warp_specialize: bool
+    grid: int
+    fallback: str = ""  # why the requested variant was replaced by the pointer path
+
+
+# The plan of the latest launch of each kernel ("fc1", "fc2"/"dx" by w_nk, "dact"), for tests
+# and benchmarks that must know whether a variant fell back.
+LAST_PLAN: dict[str, Plan] = {}
+
+# On a GPU, a variant whose kernel fails to compile or launch (a Triton without a pass this
+# kernel needs, shared memory over the limit) is remembered, warned about once and replaced by
+# the pointer path. Benchmarks set this False to see the error instead.
+FALLBACK_ON_ERROR = True
+_FAILED_VARIANTS: dict[tuple, str] = {}
 
 
 def route_block_m(num_routes: int, num_experts: int, device: torch.device) -> int:
@@ -93,20 +180,117 @@ def grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+# ---------------------------------------------------------------------------------------------
+# Persistent scheduling: each program lists the live M blocks once, then loops over their tiles.
+
+
 @triton.jit
-def _fc1_swiglu_kernel(
-    x_ptr, w_ptr, weights_ptr, slot_token_ptr, slot_route_ptr, block_expert_ptr,
-    y1_ptr, act_ptr,
-    num_tokens, num_routes, num_slots, ffn, hidden,
+def live_block_list(block_expert_ptr, live_list_ptr, num_blocks, BLOCK_M: tl.constexpr,
+                    ROUTE_BLOCK: tl.constexpr, CHUNK: tl.constexpr, SCAN_FREE: tl.constexpr):
+    """Write the live M blocks, in order, to live_list[0, :num_live] and their experts to
+    live_list[1, :num_live] (this program's [2, num_blocks] int32 rows); return num_live.
+
+    The barrier makes the writes visible to all of the program's threads before its tile loop
+    reads them. SCAN_FREE ranks by a [CHUNK, CHUNK] comparison instead of tl.cumsum: Triton's
+    Hopper warp-specialization pass rejects kernels holding a scan.
+    """
+    num_live = tl.zeros((), dtype=tl.int32)
+    for c0 in range(0, num_blocks, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        be = tl.load(block_expert_ptr + (idx * BLOCK_M) // ROUTE_BLOCK, mask=idx < num_blocks,
+                     other=-1)
+        live = be >= 0
+        if SCAN_FREE:
+            earlier = tl.arange(0, CHUNK)[None, :] <= tl.arange(0, CHUNK)[:, None]
+            rank = tl.sum((earlier & live[None, :]).to(tl.int32), axis=1)
+        else:
+            rank = tl.cumsum(live.to(tl.int32), 0)
+        at = num_live + rank - 1
+        tl.store(live_list_ptr + at, idx, mask=live)
+        tl.store(live_list_ptr + num_blocks + at, be, mask=live)
+        num_live += tl.sum(live.to(tl.int32), 0)
+    tl.debug_barrier()
+    return num_live
+
+
+@triton.jit
+def persistent_tile(tile, live_list_ptr, num_live, num_blocks, num_pid_n, GROUP_M: tl.constexpr):
+    """Live-tile id of a persistent loop -> (pid_m, pid_n, expert); tile ids count live tiles
+    only, grouped as grouped_pid does."""
+    pid_live, pid_n = grouped_pid(tile, num_live, num_pid_n, GROUP_M)
+    pid_m = tl.load(live_list_ptr + pid_live)
+    expert = tl.load(live_list_ptr + num_blocks + pid_live)
+    return pid_m, pid_n, expert
+
+
+# ---------------------------------------------------------------------------------------------
+# The gathered K loop shared by fc1_swiglu and dact_swiglu.
+
+
+@triton.jit
+def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
+                    b0_ptrs, b1_ptrs, b_step, n_ok, b_desc, b_row, b_col, b1_row_offset,
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                    TWO_B: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr):
+    """acc0 += A @ B0 (and acc1 += A @ B1 if TWO_B) over k in [0, k_size), BLOCK_K at a time.
+
+    A [BM, BK]: gathered rows, a_ptrs already offset by slot_token; padding rows (row_ok
+    False) and columns past k_size read zeros. B [BK, BN] comes from pointers (b0_ptrs /
+    b1_ptrs, advanced by b_step; columns past n_ok and rows past k_size read zeros) or, with
+    B_TMA, from the descriptor b_desc: B_NK tiles [BN, BK] at (b_row, k) and
+    (b_row + b1_row_offset, k), transposed; otherwise tiles [BK, BN] at (b_row + k, b_col).
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, k_size, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k + k0 < k_size
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if B_TMA:
+            if B_NK:
+                b0 = b_desc.load([b_row, k0]).T
+                if TWO_B:
+                    b1 = b_desc.load([b_row + b1_row_offset, k0]).T
+            else:
+                b0 = b_desc.load([b_row + k0, b_col])
+        elif EVEN_K:
+            if EVEN_N:
+                b0 = tl.load(b0_ptrs)
+                if TWO_B:
+                    b1 = tl.load(b1_ptrs)
+            else:
+                b0 = tl.load(b0_ptrs, mask=n_ok[None, :], other=0.0)
+                if TWO_B:
+                    b1 = tl.load(b1_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            b0 = tl.load(b0_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if TWO_B:
+                b1 = tl.load(b1_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc0 = tl.dot(a, b0, acc0)
+        if TWO_B:
+            acc1 = tl.dot(a, b1, acc1)
+        a_ptrs += BLOCK_K
+        if not B_TMA:
+            b0_ptrs += b_step
+            if TWO_B:
+                b1_ptrs += b_step
+    return acc0, acc1
+
+
+# ---------------------------------------------------------------------------------------------
+# FC1 + SwiGLU.
+
+
+@triton.jit
+def _fc1_swiglu_tile(
+    pid_m, pid_n, expert,
+    x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr,
+    num_tokens, num_routes, ffn, hidden,
     stride_xt, stride_we, stride_wn, stride_y1, stride_act,
-    ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_pid(tl.program_id(0), num_slots // BLOCK_M, tl.cdiv(ffn, BLOCK_N),
-                               GROUP_M)
-    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
-    if expert < 0:
-        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -120,25 +304,11 @@ def _fc1_swiglu_kernel(
     wu_ptrs = wg_ptrs + ffn * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            if EVEN_N:
-                bg = tl.load(wg_ptrs)
-                bu = tl.load(wu_ptrs)
-            else:
-                bg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
-                bu = tl.load(wu_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k + k0 < hidden
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g)
-        acc_u = tl.dot(a, bu, acc_u)
-        x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
+    # TMA: w_gate_up as [E * 2F, H]; gate rows e*2F + n, up rows e*2F + F + n.
+    acc_g, acc_u = gathered_k_loop(
+        acc_g, acc_u, x_ptrs, row_ok, hidden, wg_ptrs, wu_ptrs, BLOCK_K, n_ok,
+        w_desc, expert * 2 * ffn + pid_n * BLOCK_N, 0, ffn,
+        BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=True, B_TMA=USE_TMA, B_NK=True)
 
     # Round g and u to the stored dtype first: backward recomputes A from the stored Y1.
     g = acc_g.to(y1_ptr.dtype.element_ty)
@@ -156,19 +326,57 @@ def _fc1_swiglu_kernel(
 
 
 @triton.jit
-def _slot_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, block_expert_ptr,
-    num_slots, N, K,
-    stride_a, stride_we, stride_w, stride_c,
-    W_NK: tl.constexpr, ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+def _fc1_swiglu_kernel(
+    x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr, slot_route_ptr, block_expert_ptr,
+    live_list_ptr, y1_ptr, act_ptr,
+    num_tokens, num_routes, num_slots, ffn, hidden,
+    stride_xt, stride_we, stride_wn, stride_y1, stride_act,
+    ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+    LIST_CHUNK: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_pid(tl.program_id(0), num_slots // BLOCK_M, tl.cdiv(N, BLOCK_N),
-                               GROUP_M)
-    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
-    if expert < 0:
-        return
+    num_blocks = num_slots // BLOCK_M
+    num_pid_n = tl.cdiv(ffn, BLOCK_N)
+    if PERSISTENT:
+        live_list_ptr += tl.program_id(0) * 2 * num_blocks
+        num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, BLOCK_M,
+                                   ROUTE_BLOCK, LIST_CHUNK, False)
+        num_tiles = num_live * num_pid_n
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
+                             flatten=FLATTEN):
+            pid_m, pid_n, expert = persistent_tile(tile, live_list_ptr, num_live, num_blocks,
+                                                   num_pid_n, GROUP_M)
+            _fc1_swiglu_tile(
+                pid_m, pid_n, expert, x_ptr, w_ptr, w_desc, weights_ptr,
+                slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr,
+                num_tokens, num_routes, ffn, hidden,
+                stride_xt, stride_we, stride_wn, stride_y1, stride_act,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+    else:
+        pid_m, pid_n = grouped_pid(tl.program_id(0), num_blocks, num_pid_n, GROUP_M)
+        expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
+        if expert < 0:
+            return
+        _fc1_swiglu_tile(
+            pid_m, pid_n, expert, x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr,
+            slot_route_ptr, y1_ptr, act_ptr, num_tokens, num_routes, ffn, hidden,
+            stride_xt, stride_we, stride_wn, stride_y1, stride_act,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+
+
+# ---------------------------------------------------------------------------------------------
+# Slot-order GEMM (FC2, dX).
+
+
+@triton.jit
+def _slot_gemm_tile(
+    pid_m, pid_n, expert,
+    a_ptr, a_desc, w_ptr, w_desc, c_ptr, N, K,
+    stride_a, stride_we, stride_w, stride_c,
+    W_NK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
+):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -178,12 +386,20 @@ def _slot_gemm_kernel(
     if W_NK:  # w[e] is [N, K]: C = A @ w[e]^T
         w_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
         w_step = BLOCK_K
+        w_row = expert * N + pid_n * BLOCK_N  # TMA: w as [E * N, K]
     else:  # w[e] is [K, N]: C = A @ w[e]
         w_ptrs = w_base + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]
         w_step = BLOCK_K * stride_w
+        w_row = expert * K  # TMA: w as [E * K, N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if USE_TMA:
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            if W_NK:
+                b = w_desc.load([w_row, k0]).T
+            else:
+                b = w_desc.load([w_row + k0, pid_n * BLOCK_N])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             if EVEN_N:
                 b = tl.load(w_ptrs)
@@ -194,26 +410,71 @@ def _slot_gemm_kernel(
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += w_step
+        if not USE_TMA:
+            a_ptrs += BLOCK_K
+            w_ptrs += w_step
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit
-def _dact_swiglu_kernel(
-    dout_ptr, w_ptr, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr, block_expert_ptr,
-    dy1_ptr, act_ptr, dp_ptr,
-    num_tokens, num_routes, num_slots, ffn, hidden,
-    stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
-    ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+def _slot_gemm_kernel(
+    a_ptr, a_desc, w_ptr, w_desc, c_ptr, block_expert_ptr, live_list_ptr,
+    num_slots, N, K,
+    stride_a, stride_we, stride_w, stride_c,
+    W_NK: tl.constexpr, ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, LIST_CHUNK: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_pid(tl.program_id(0), num_slots // BLOCK_M, tl.cdiv(ffn, BLOCK_N),
-                               GROUP_M)
-    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
-    if expert < 0:
-        return
+    num_blocks = num_slots // BLOCK_M
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        live_list_ptr += tl.program_id(0) * 2 * num_blocks
+        num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, BLOCK_M,
+                                   ROUTE_BLOCK, LIST_CHUNK, WARP_SPECIALIZE)
+        num_tiles = num_live * num_pid_n
+        if WARP_SPECIALIZE:
+            for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
+                                 flatten=FLATTEN, warp_specialize=True):
+                pid_m, pid_n, expert = persistent_tile(tile, live_list_ptr, num_live, num_blocks,
+                                                       num_pid_n, GROUP_M)
+                _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr,
+                                N, K, stride_a, stride_we, stride_w, stride_c,
+                                W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+        else:
+            for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
+                                 flatten=FLATTEN):
+                pid_m, pid_n, expert = persistent_tile(tile, live_list_ptr, num_live, num_blocks,
+                                                       num_pid_n, GROUP_M)
+                _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr,
+                                N, K, stride_a, stride_we, stride_w, stride_c,
+                                W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+    else:
+        pid_m, pid_n = grouped_pid(tl.program_id(0), num_blocks, num_pid_n, GROUP_M)
+        expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
+        if expert < 0:
+            return
+        _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr, N, K,
+                        stride_a, stride_we, stride_w, stride_c,
+                        W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+
+
+# ---------------------------------------------------------------------------------------------
+# dA (gathered dOut @ w_down) + SwiGLU backward.
+
+
+@triton.jit
+def _dact_swiglu_tile(
+    pid_m, pid_n, expert,
+    dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
+    dy1_ptr, act_ptr, dp_ptr,
+    num_tokens, num_routes, ffn, hidden,
+    stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
+):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -226,20 +487,11 @@ def _dact_swiglu_kernel(
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + offs_k.to(tl.int64)[:, None] * stride_wk + offs_n[None, :])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(d_ptrs, mask=row_ok[:, None], other=0.0)
-            if EVEN_N:
-                b = tl.load(w_ptrs)
-            else:
-                b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k + k0 < hidden
-            a = tl.load(d_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
-        d_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    # TMA: w_down as [E * H, F]; tile [BK, BN] at (e*H + k, n).
+    acc, _ = gathered_k_loop(
+        acc, acc, d_ptrs, row_ok, hidden, w_ptrs, w_ptrs, BLOCK_K * stride_wk, n_ok,
+        w_desc, expert * hidden, pid_n * BLOCK_N, 0,
+        BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=USE_TMA, B_NK=False)
 
     # dA as autograd would hand it to the activation: rounded to the input dtype.
     da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
@@ -261,11 +513,104 @@ def _dact_swiglu_kernel(
     tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_n, dp_part)
 
 
-def _grid(routes: RouteList, cfg: GemmConfig, n: int):
+@triton.jit
+def _dact_swiglu_kernel(
+    dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
+    block_expert_ptr, live_list_ptr, dy1_ptr, act_ptr, dp_ptr,
+    num_tokens, num_routes, num_slots, ffn, hidden,
+    stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
+    ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+    LIST_CHUNK: tl.constexpr,
+):
+    num_blocks = num_slots // BLOCK_M
+    num_pid_n = tl.cdiv(ffn, BLOCK_N)
+    if PERSISTENT:
+        live_list_ptr += tl.program_id(0) * 2 * num_blocks
+        num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, BLOCK_M,
+                                   ROUTE_BLOCK, LIST_CHUNK, False)
+        num_tiles = num_live * num_pid_n
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
+                             flatten=FLATTEN):
+            pid_m, pid_n, expert = persistent_tile(tile, live_list_ptr, num_live, num_blocks,
+                                                   num_pid_n, GROUP_M)
+            _dact_swiglu_tile(
+                pid_m, pid_n, expert, dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr,
+                slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr,
+                num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
+                stride_y1, stride_dy1, stride_act, stride_dp,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+    else:
+        pid_m, pid_n = grouped_pid(tl.program_id(0), num_blocks, num_pid_n, GROUP_M)
+        expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
+        if expert < 0:
+            return
+        _dact_swiglu_tile(
+            pid_m, pid_n, expert, dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr,
+            slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr,
+            num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
+            stride_y1, stride_dy1, stride_act, stride_dp,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers.
+
+
+def _plan(routes: RouteList, cfg: GemmConfig, n: int, device: torch.device, use_tma: bool,
+          ws_ok: bool = False):
+    """(grid, live-block list buffer, constexprs, Plan) for a launch over the slot blocks x
+    cdiv(n, BN) tiles. `ws_ok`: the kernel loads only through TMA, the one form Triton's
+    Hopper warp specialization accepts (it asserts on the gathered pointer loads)."""
     if routes.block_m % cfg.block_m:
         raise ValueError(f"tile block_m {cfg.block_m} must divide the RouteList block_m "
                          f"{routes.block_m}")
-    return (routes.num_slots // cfg.block_m * triton.cdiv(n, cfg.block_n),)
+    num_blocks = routes.num_slots // cfg.block_m
+    tiles = num_blocks * triton.cdiv(n, cfg.block_n)
+    persistent = cfg.persistent and tma.persistent_available()
+    # The Hopper pass splits the M tile over two consumer warp groups of 64 rows.
+    ws = (WARP_SPECIALIZE_ENABLED and persistent and ws_ok and cfg.warp_specialize
+          and cfg.block_m >= 128 and tma.range_supports("warp_specialize"))
+    # On Hopper the warp-specialization pass acts on an unflattened loop only.
+    flatten = persistent and cfg.flatten and not (ws and tma.is_hopper(device))
+    grid = max(1, min(tiles, tma.num_programs(device))) if persistent else tiles
+    live_list = routes.block_expert  # unused by one-program-per-tile launches
+    if persistent:  # each program's own list of the live M blocks and their experts
+        live_list = torch.empty((grid, 2, max(num_blocks, 1)), dtype=torch.int32,
+                                device=device)
+    plan = Plan(use_tma, persistent, flatten, ws, grid)
+    meta = dict(USE_TMA=use_tma, PERSISTENT=persistent, FLATTEN=plan.flatten,
+                LIST_CHUNK=LIST_CHUNK_WS if ws else LIST_CHUNK)
+    return (grid,), live_list, meta, plan
+
+
+def _weight_desc(w_E: torch.Tensor, block_shape: tuple[int, int]):
+    """Descriptor over w [E, R, C] seen as [E*R, C], or None where TMA cannot read it."""
+    rows = tma.expert_rows(w_E)
+    if rows is None or not tma.matrix_fits(rows, block_shape):
+        return None
+    return tma.descriptor(rows, block_shape)
+
+
+def _with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: tuple,
+                   launch):
+    """launch(cfg), or launch(pointer-path cfg) where cfg's variant failed on this GPU."""
+    base = cfg._replace(tma=False, persistent=False, warp_specialize=False)
+    if cfg == base or device.type != "cuda" or not FALLBACK_ON_ERROR:
+        return launch(cfg)
+    key = (name, cfg, shape_key)
+    if key not in _FAILED_VARIANTS:
+        try:
+            return launch(cfg)
+        except Exception as exc:  # a compile or launch failure of the variant: see above
+            lines = str(exc).strip().splitlines()
+            _FAILED_VARIANTS[key] = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+            warnings.warn(f"{name}: the {cfg.variant} variant of {tuple(cfg)[:6]} failed "
+                          f"({_FAILED_VARIANTS[key]}); using the pointer path", RuntimeWarning)
+    out = launch(base)
+    LAST_PLAN[name] = LAST_PLAN[name]._replace(fallback=_FAILED_VARIANTS[key])
+    return out
 
 
 def fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes: RouteList, y1_out, act_out,
@@ -274,15 +619,29 @@ def fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes: RouteList, y1_out, a
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
     cfg = cfg or fc1_config(ffn, routes.block_m, x_TH.device)
-    _fc1_swiglu_kernel[_grid(routes, cfg, ffn)](
-        x_TH, w_gate_up_EFH, topk_weights_N, routes.slot_token, routes.slot_route,
-        routes.block_expert, y1_out, act_out,
+    return _with_fallback(
+        "fc1", cfg, x_TH.device, (x_TH.dtype, routes.block_m, hidden, ffn),
+        lambda c: _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, c))
+
+
+def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cfg):
+    num_tokens, hidden = x_TH.shape
+    ffn = w_gate_up_EFH.shape[1] // 2
+    w_desc = None
+    if cfg.tma and tma.tma_available(x_TH.device):
+        w_desc = _weight_desc(w_gate_up_EFH, (cfg.block_n, cfg.block_k))
+    grid, live_list, meta, LAST_PLAN["fc1"] = _plan(routes, cfg, ffn, x_TH.device,
+                                                    w_desc is not None)
+    _fc1_swiglu_kernel[grid](
+        x_TH, w_gate_up_EFH, w_gate_up_EFH if w_desc is None else w_desc, topk_weights_N,
+        routes.slot_token, routes.slot_route, routes.block_expert, live_list, y1_out, act_out,
         num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
         x_TH.stride(0), w_gate_up_EFH.stride(0), w_gate_up_EFH.stride(1), y1_out.stride(0),
         act_out.stride(0),
         ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
-        EVEN_N=ffn % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_N=ffn % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta)
     return y1_out, act_out
 
 
@@ -291,13 +650,33 @@ def slot_gemm(a_SK, w_E, routes: RouteList, out, w_nk: bool, cfg: GemmConfig | N
     k_dim = a_SK.shape[1]
     n = w_E.shape[1] if w_nk else w_E.shape[2]
     cfg = cfg or slot_gemm_config(n, routes.block_m, a_SK.device)
-    _slot_gemm_kernel[_grid(routes, cfg, n)](
-        a_SK, w_E, out, routes.block_expert,
-        routes.num_slots, n, k_dim,
+    return _with_fallback(
+        "fc2" if w_nk else "dx", cfg, a_SK.device, (a_SK.dtype, routes.block_m, k_dim, n),
+        lambda c: _slot_gemm(a_SK, w_E, routes, out, w_nk, c))
+
+
+def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg):
+    k_dim = a_SK.shape[1]
+    n = w_E.shape[1] if w_nk else w_E.shape[2]
+    a_desc = w_desc = None
+    # w [E, K, N] tiles past K would contract the next expert's rows: TMA only for even K.
+    if (cfg.tma and tma.tma_available(a_SK.device) and (w_nk or k_dim % cfg.block_k == 0)
+            and tma.matrix_fits(a_SK, (cfg.block_m, cfg.block_k))):
+        w_desc = _weight_desc(w_E, (cfg.block_n, cfg.block_k) if w_nk
+                              else (cfg.block_k, cfg.block_n))
+        if w_desc is not None:
+            a_desc = tma.descriptor(a_SK, (cfg.block_m, cfg.block_k))
+    use_tma = w_desc is not None
+    grid, live_list, meta, plan = _plan(routes, cfg, n, a_SK.device, use_tma, ws_ok=use_tma)
+    LAST_PLAN["fc2" if w_nk else "dx"] = plan
+    _slot_gemm_kernel[grid](
+        a_SK, a_desc if use_tma else a_SK, w_E, w_desc if use_tma else w_E, out,
+        routes.block_expert, live_list, routes.num_slots, n, k_dim,
         a_SK.stride(0), w_E.stride(0), w_E.stride(1), out.stride(0),
         W_NK=w_nk, ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k_dim % cfg.block_k == 0,
-        EVEN_N=n % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_N=n % cfg.block_n == 0, WARP_SPECIALIZE=plan.warp_specialize,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
     return out
 
 
@@ -315,13 +694,31 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
     if dp_part_out.shape[1] != dp_tiles(ffn, cfg):
         raise ValueError(f"dp_part_out has {dp_part_out.shape[1]} columns, the tile config "
                          f"needs {dp_tiles(ffn, cfg)}")
-    _dact_swiglu_kernel[_grid(routes, cfg, ffn)](
-        dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes.slot_token, routes.slot_route,
-        routes.block_expert, dy1_out, act_out, dp_part_out,
+    return _with_fallback(
+        "dact", cfg, dout_TH.device, (dout_TH.dtype, routes.block_m, hidden, ffn),
+        lambda c: _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out,
+                               act_out, dp_part_out, c))
+
+
+def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, act_out,
+                 dp_part_out, cfg):
+    num_tokens, hidden = dout_TH.shape
+    ffn = w_down_EHF.shape[2]
+    w_desc = None
+    # Tiles of w_down [E, H, F] past H would contract the next expert's rows: even H only.
+    if cfg.tma and tma.tma_available(dout_TH.device) and hidden % cfg.block_k == 0:
+        w_desc = _weight_desc(w_down_EHF, (cfg.block_k, cfg.block_n))
+    grid, live_list, meta, LAST_PLAN["dact"] = _plan(routes, cfg, ffn, dout_TH.device,
+                                                     w_desc is not None)
+    _dact_swiglu_kernel[grid](
+        dout_TH, w_down_EHF, w_down_EHF if w_desc is None else w_desc, y1_S2F, topk_weights_N,
+        routes.slot_token, routes.slot_route, routes.block_expert, live_list, dy1_out,
+        act_out, dp_part_out,
         num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
         dout_TH.stride(0), w_down_EHF.stride(0), w_down_EHF.stride(1), y1_S2F.stride(0),
         dy1_out.stride(0), act_out.stride(0), dp_part_out.stride(0),
         ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
-        EVEN_N=ffn % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_N=ffn % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta)
     return dy1_out, act_out, dp_part_out

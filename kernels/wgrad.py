@@ -12,6 +12,9 @@ Layout contract (S slots, E experts, see route_align.py):
   An empty expert's tiles get exact zeros.
 - Uses: dW_down[e] [H, F] = sum_s dOut[slot_token[s]]^T A[s]  (L = dOut gathered, R = A);
         dW_gate_up[e] [2F, H] = sum_s dY1[s]^T X[slot_token[s]]  (L = dY1, R = X gathered).
+- `accumulate`: the tile is added (in fp32, one rounding to the output dtype) to what dW
+  holds, instead of overwriting it (gradient accumulation over micro-batches); an empty
+  expert's tiles are then left as they were (plus exact zeros).
 - Programs run expert-major; within an expert, tiles are grouped GROUP_M rows at a time so the
   expert's L and R rows are reused from L2. The sum order is fixed: bitwise repeatable.
 """
@@ -40,8 +43,9 @@ def wgrad_config(n: int, device: torch.device) -> GemmConfig:
 def _expert_wgrad_kernel(
     l_ptr, r_ptr, dw_ptr, slot_token_ptr, expert_start_ptr, expert_count_ptr,
     M, N, stride_l, stride_r, stride_dwe, stride_dwm,
-    GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -77,19 +81,22 @@ def _expert_wgrad_kernel(
 
     dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
                + offs_m.to(tl.int64)[:, None] * stride_dwm + offs_n[None, :])
+    if ACCUMULATE:
+        acc += tl.load(dw_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gather_r: bool,
-                 cfg: GemmConfig | None = None):
-    """Fill out_EMN [E, M, N] (every element) with the per-expert sums above."""
+                 cfg: GemmConfig | None = None, accumulate: bool = False):
+    """Fill out_EMN [E, M, N] (every element) with the per-expert sums above, or add them
+    to it (`accumulate`)."""
     num_experts, m, n = out_EMN.shape
     cfg = cfg or wgrad_config(n, l_rows.device)
     grid = (num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _expert_wgrad_kernel[grid](
         l_rows, r_rows, out_EMN, routes.slot_token, routes.expert_starts, routes.expert_counts,
         m, n, l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0), out_EMN.stride(1),
-        GATHER_L=gather_l, GATHER_R=gather_r, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out_EMN

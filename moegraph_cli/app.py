@@ -109,7 +109,8 @@ MkdirOpt = Annotated[bool, typer.Option(
     "--mkdir", help="Create missing parent directories of the output paths.")]
 ScopesOpt = Annotated[Optional[str], typer.Option(
     "--scopes", metavar="attn,moe",
-    help="Comma list of scopes to graph: attn, moe (default: the profile's).")]
+    help="Comma list of scopes to graph: attn, moe; or step (the whole training step, "
+    "optimizer included, as one graph). Default: the profile's.")]
 PoolOpt = Annotated[Optional[str], typer.Option(
     "--pool", metavar="NAME",
     help="Pool strategy: shared, per_scope or per_entry (default: the profile's).")]

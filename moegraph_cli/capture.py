@@ -12,7 +12,7 @@ import torch
 
 from .errors import MoegraphError
 from .flops import peak_flops, step_flops
-from .harness import (build_session, capture_into, device_info, dropped_routes, make_trainer,
+from .harness import (attn_moe_phase, build_session, capture_into, device_info, dropped_routes, make_trainer,
                       peaks, reset_peaks, set_memory_limit, timed_steps)
 from .dist.context import place, ticker
 from .preflight import check_inputs
@@ -36,11 +36,11 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
 
     torch.manual_seed(run.seed)
     model = build_model(spec, device, rt=rt)
-    trainer = make_trainer(model, run.lr, run.weight_decay, rt)
-    it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, device, run.data,
+    trainer = make_trainer(model, run.lr, run.weight_decay, rt, run.grad_accum)
+    it = batches(prof.model.vocab_size, run.batch * run.grad_accum, run.seq_len, run.seed, device, run.data,
                  rank=rank, world=world)
-    tokens = run.batch * run.seq_len  # per rank
-    flops, peak = step_flops(prof.model, run.batch, run.seq_len), peak_flops(device)
+    tokens = run.batch * run.grad_accum * run.seq_len  # per rank and step
+    flops, peak = step_flops(prof.model, run.batch * run.grad_accum, run.seq_len), peak_flops(device)
 
     total = 2 * (warmup + steps) + 1
     with Progress(progress and rank == 0, total, "eager steps") as bar:
@@ -57,9 +57,9 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         bar.describe("capturing")
         if rt is not None:
             rt.beat("capture")
-        session = build_session(model, run.scopes, run.pool, plan, rt)
+        session = build_session(model, run.scopes, run.pool, plan, rt, run.grad_accum, trainer)
         t0 = time.perf_counter()
-        ok = capture_into(model, session, next(it), rt)
+        ok = capture_into(model, session, next(it), rt, run.grad_accum)
         capture_s = time.perf_counter() - t0
         # What capture needed at its peak (warm-up included) is reported on its own; the
         # graph-phase peak below is the steady state, with capture's leftovers released.
@@ -116,6 +116,18 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         result["plan"] = {"file": plan_file, "predicted_peak": plan.predicted_peak,
                           "measured_peak_reserved": graph["peak_reserved"]}
     session.uninstall()
+    if run.scopes == ["step"] and rt is None:
+        from .plan.memory import step_model
+        pred = step_model(prof).predict_step()
+        for p in result["pools"]:
+            p["predicted_bytes"] = pred.pool_bytes
+        result["step_prediction"] = {"predicted_peak": pred.peak,
+                                     "measured_peak_reserved": graph["peak_reserved"]}
+        result["compare"] = attn_moe_phase(model, trainer, it, steps, warmup, run.grad_accum,
+                                           graph["step_ms"])
+        cmp = result["compare"]
+        cmp["tokens_per_s"] = tokens / (cmp["step_ms"] / 1e3)
+        cmp["mfu"] = flops / (cmp["step_ms"] / 1e3) / peak if peak else None
     if rt is None:
         return result
     from .dist.context import merge_ranks
@@ -125,3 +137,4 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
     merged = merge_ranks(docs, rt)
     merged["dropped_routes"] = sum(d["dropped_routes"] for d in docs)
     return merged
+

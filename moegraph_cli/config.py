@@ -171,6 +171,7 @@ class RunConfig:
     seed: int = 0
     lr: float = 1e-4
     weight_decay: float = 0.0
+    grad_accum: int = 1  # micro-batches of `batch` sequences per optimizer step
     scopes: list[str] = field(default_factory=lambda: ["attn", "moe"])
     pool: str = "shared"
     data: typing.Optional[str] = None  # a .pt / .bin file of token ids; None = synthetic
@@ -186,7 +187,7 @@ class RunConfig:
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise _invalid("dtype", f"run.dtype {show(self.dtype)} must be bfloat16, float32 "
                            "or float16")
-        for name in ("batch", "seq_len", "steps", "pipeline_interleave"):
+        for name in ("batch", "seq_len", "steps", "pipeline_interleave", "grad_accum"):
             if getattr(self, name) <= 0:
                 raise _invalid(name, f"run.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup", "lr", "weight_decay"):
@@ -194,10 +195,13 @@ class RunConfig:
                 raise _invalid(name, f"run.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.seed <= MAX_SEED:
             raise _invalid("seed", f"run.seed must be in 0..{MAX_SEED}, got {self.seed}")
-        bad = [s for s in self.scopes if s not in ("attn", "moe")]
+        bad = [s for s in self.scopes if s not in ("attn", "moe", "step")]
         if bad:
             raise _invalid("scopes", f"run.scopes: unknown scope {show(bad[0])}; choose from "
-                           "attn, moe")
+                           "attn, moe, step")
+        if "step" in self.scopes and len(self.scopes) > 1:
+            raise _invalid("scopes", "run.scopes: step (the whole step as one graph) already "
+                           "holds attn and moe; give it alone")
         if self.pool not in ("shared", "per_scope", "per_entry", "auto"):
             raise _invalid("pool", f"run.pool {show(self.pool)} must be shared, per_scope, "
                            "per_entry or auto")

@@ -10,8 +10,10 @@ from typing import Callable, Iterator
 
 import torch
 
+from .errors import NotCapturableError
 from .graphs import GraphSession, ScopeSpec
-from .train import Trainer
+from .graphs.step import StepGraph
+from .train import Trainer, split_micro
 
 # A requested scope name -> the model scope kinds it covers (a dense layer's MLP sits where
 # the MoE block would, so `moe` covers it too).
@@ -30,11 +32,15 @@ def scope_specs(model, scopes: list[str], layer_scopes: dict[int, list[str]] | N
     return out
 
 
-def build_session(model, scopes: list[str], pool: str, plan=None, rt=None) -> GraphSession:
+def build_session(model, scopes: list[str], pool: str, plan=None, rt=None,
+                  grad_accum: int = 1, trainer=None):
     """A graph session over the model's scopes. Distributed (`rt`): FSDP2-sharded parameters
     are moving (graph inputs, never baked), decisions are agreed across ranks, and CUDA capture
     runs in thread_local mode (NCCL's watchdog thread keeps running); on the CPU the emulated
-    backend stands in for CUDA graphs."""
+    backend stands in for CUDA graphs. `scopes == ["step"]`: the whole step of `trainer` as one
+    graph (graphs/step.py)."""
+    if "step" in scopes:
+        return step_graph(trainer, rt)
     extra = {}
     if rt is not None:
         from .dist.model import is_sharded
@@ -43,17 +49,44 @@ def build_session(model, scopes: list[str], pool: str, plan=None, rt=None) -> Gr
         backend = CudaGraphs("thread_local") if rt.device.type == "cuda" else EmulatedGraphs()
         extra = {"moving": lambda _name, p: is_sharded(p), "agree": rt.agree,
                  "backend": backend}
+    extra["accumulate"] = grad_accum > 1
     if plan is not None:
         return GraphSession(scope_specs(model, scopes, plan.layer_scopes()),
                             groups=plan.scope_groups(), **extra)
     return GraphSession(scope_specs(model, scopes), strategy=pool, **extra)
 
 
-def capture_into(model, session: GraphSession, input_ids: torch.Tensor, rt=None) -> bool:
-    """Record one forward, capture transactionally, install on success. Distributed: install
-    only if every rank captured; a rank whose capture succeeded rolls back when another's
-    failed, so all ranks go on eagerly together."""
-    session.record(lambda: model(input_ids, labels=input_ids))
+def step_graph(trainer, rt=None) -> StepGraph:
+    """The whole step of `trainer` (micro-batches' forward and backward, then the optimizer)
+    as one graph; refused, with the reason, where it cannot be captured whole."""
+    if rt is not None and rt.world > 1:
+        raise NotCapturableError(
+            "--scopes step: the whole step cannot be one graph on several processes (FSDP2's "
+            "all-gathers and reduce-scatters run outside graphs); use --scopes attn,moe")
+    if trainer is None or not hasattr(trainer.optimizer, "warm_up"):
+        raise NotCapturableError("--scopes step needs the flat AdamW (its learning rate and "
+                                 "step count live on the device)")
+
+    def warm_up(ids):
+        Trainer.forward_backward(trainer, ids)  # writes the gradients: the next step rewrites
+        trainer.optimizer.warm_up()  # compiles the update without applying it
+
+    return StepGraph(lambda ids: (Trainer.step(trainer, ids),), warm_up)
+
+
+def capture_into(model, session, input_ids: torch.Tensor, rt=None, grad_accum: int = 1
+                 ) -> bool:
+    """Record one forward (of one micro-batch), capture transactionally, install on success.
+    Distributed: install only if every rank captured; a rank whose capture succeeded rolls
+    back when another's failed, so all ranks go on eagerly together. A whole-step graph
+    captures the step's whole batch."""
+    if getattr(session, "whole_step", False):
+        ok = session.capture(input_ids)
+        if ok:
+            session.install()
+        return ok
+    micro = split_micro(input_ids, grad_accum)[0]
+    session.record(lambda: model(micro, labels=micro))
     ok = session.capture()
     if rt is not None:
         everyone, reason = rt.all_ok(ok, session.failure)
@@ -68,21 +101,26 @@ def capture_into(model, session: GraphSession, input_ids: torch.Tensor, rt=None)
 
 
 class GraphTrainer(Trainer):
-    """A Trainer whose steps re-arm an installed graph session (one replay per step)."""
+    """A Trainer whose micro-batches re-arm an installed graph session (one replay each)."""
 
-    def __init__(self, model, lr: float, weight_decay: float = 0.0):
-        super().__init__(model, lr, weight_decay)
+    def __init__(self, model, lr: float, weight_decay: float = 0.0, grad_accum: int = 1):
+        super().__init__(model, lr, weight_decay, grad_accum)
         self.session: GraphSession | None = None
 
-    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def before_forward(self) -> None:
         if self.session is not None:
             self.session.new_step()
+
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.session is not None and getattr(self.session, "whole_step", False):
+            return self.session(input_ids)[0]
         return super().step(input_ids)
 
 
-def make_trainer(model, lr: float, weight_decay: float = 0.0, rt=None) -> GraphTrainer:
+def make_trainer(model, lr: float, weight_decay: float = 0.0, rt=None,
+                 grad_accum: int = 1) -> GraphTrainer:
     if rt is None:
-        return GraphTrainer(model, lr, weight_decay)
+        return GraphTrainer(model, lr, weight_decay, grad_accum)
     from .dist.trainer import DistTrainer
     return DistTrainer(model, lr, weight_decay, rt)
 
@@ -128,6 +166,29 @@ def timed_steps(trainer: Trainer, batch_iter: Iterator[torch.Tensor], steps: int
         ms = [t * 1e3 for t in times]
     return {"step_ms": statistics.median(ms), "all_ms": ms,
             "losses": [float(x) for x in torch.stack(losses).cpu()] if losses else []}
+
+
+def attn_moe_phase(model, trainer, it, steps: int, warmup: int, grad_accum: int,
+                   step_ms: float) -> dict:
+    """The whole-step graph's side-by-side partner: attn+moe graphs in one shared pool on the
+    same model, trainer and batches, timed like any phase; `step_vs_attn_moe` is how much
+    faster the whole step ran (its `step_ms`)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    session = build_session(model, ["attn", "moe"], "shared", grad_accum=grad_accum,
+                            trainer=trainer)
+    ok = capture_into(model, session, next(it), grad_accum=grad_accum)
+    reset_peaks()
+    trainer.session = session if ok else None
+    timed = timed_steps(trainer, it, steps, warmup)
+    timed.update(peaks())
+    del timed["all_ms"]
+    out = {"scopes": ["attn", "moe"], "pool": "shared", "captured_ok": ok,
+           "failure": session.failure, "counters": session.stats()["totals"],
+           "pools": session.pools(), **timed, "step_vs_attn_moe": timed["step_ms"] / step_ms}
+    session.uninstall()
+    trainer.session = None
+    return out
 
 
 def reset_peaks() -> None:

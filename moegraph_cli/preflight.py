@@ -36,8 +36,17 @@ def check_inputs(spec: RunSpec, plan_file: str | None = None, memory_limit: str 
     if plan_file is not None:
         from .plan.planfile import load_plan
         plan = load_plan(plan_file, prof, world, ep)
+    if world > 1 and run.grad_accum > 1:
+        raise UsageError("run.grad_accum > 1 runs in one process only for now; on several "
+                         "processes raise run.batch instead")
+    if world > 1 and "step" in run.scopes:
+        from .errors import NotCapturableError
+        raise NotCapturableError("--scopes step: the whole step cannot be one graph on several "
+                                 "processes (FSDP2's collectives run outside graphs); use "
+                                 "--scopes attn,moe")
     if run.data:
         from .train import check_token_file
-        check_token_file(run.data, prof.model.vocab_size, run.batch * world * run.seq_len)
+        check_token_file(run.data, prof.model.vocab_size,
+                         run.batch * run.grad_accum * world * run.seq_len)
     check_capturable(prof, None if plan is not None else run.pool)
     return Inputs(plan=plan, memory_limit=limit)

@@ -30,7 +30,7 @@ from .errors import NotCapturableError, UsageError
 from .flops import peak_flops, step_flops
 from .graphs.contract import module_state
 from .graphs.scope import _as_tuple
-from .harness import (build_session, capture_into, device_info, make_trainer, peaks,
+from .harness import (attn_moe_phase, build_session, capture_into, device_info, make_trainer, peaks,
                       reset_peaks, timed_steps)
 from .nvml import NvmlSampler
 from .plan.memory import run_key
@@ -65,10 +65,10 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
 
     torch.manual_seed(run.seed)
     model = build_model(spec, device, rt=rt)
-    trainer = make_trainer(model, run.lr, run.weight_decay, rt)
-    it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, device, run.data,
+    trainer = make_trainer(model, run.lr, run.weight_decay, rt, run.grad_accum)
+    it = batches(prof.model.vocab_size, run.batch * run.grad_accum, run.seq_len, run.seed, device, run.data,
                  rank=rank, world=world)
-    flops, peak = step_flops(prof.model, run.batch, run.seq_len), peak_flops(device)
+    flops, peak = step_flops(prof.model, run.batch * run.grad_accum, run.seq_len), peak_flops(device)
 
     with NvmlSampler(device.index if device.index is not None else torch.cuda.current_device()
                      ) as nv, Progress(progress and rank == 0, 2 * (steps + warmup) + 4,
@@ -83,8 +83,9 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
         torch.cuda.empty_cache()
 
         nv.mark("capture")
-        session = build_session(model, run.scopes, run.pool, rt=rt)
-        if not capture_into(model, session, next(it), rt):
+        session = build_session(model, run.scopes, run.pool, rt=rt, grad_accum=run.grad_accum,
+                                trainer=trainer)
+        if not capture_into(model, session, next(it), rt, run.grad_accum):
             failure = session.failure
             session.uninstall()
             raise NotCapturableError(f"capture failed and was rolled back: {failure}")
@@ -104,6 +105,12 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
         scopes = time_scopes(session, SCOPE_REPS)
         tick()
         stats = session.stats()
+        compare = None
+        if run.scopes == ["step"]:
+            session.uninstall()
+            nv.mark("attn,moe")
+            compare = attn_moe_phase(model, trainer, it, steps, warmup, run.grad_accum,
+                                     graph["step_ms"])
         nv.mark("end")
     session.uninstall()
     trainer.session = None
@@ -129,7 +136,8 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
         "graph_peak_allocated": graph["peak_allocated"],
         "pools": pools, "pool_total_bytes": sum(p["bytes"] for p in pools),
         "counters": stats["totals"], "nvml": nv.summary(), "step_flops": flops,
-        "out": out, "plot": plot, "calibration": calibrate, **device_info(),
+        "out": out, "plot": plot, "calibration": calibrate, "compare": compare,
+        **device_info(),
     }
     if rt is not None:
         from .dist.context import merge_ranks

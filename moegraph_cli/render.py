@@ -126,7 +126,9 @@ def plan_result(r: dict, as_json: bool) -> None:
               f"predicted peak {fmt_bytes(r['predicted_peak'])}; with "
               f"{fmt_bytes(r.get('headroom_bytes', 0))} allocation headroom it needs "
               f"{fmt_bytes(r.get('required_budget', r['predicted_peak']))} of budget "
-              f"{fmt_bytes(r['budget'])}; saves {r['saved_ms']:.2f} ms/step", markup=False)
+              f"{fmt_bytes(r['budget'])}"
+              + ("" if r.get("saved_ms") is None else f"; saves {r['saved_ms']:.2f} ms/step"),
+              markup=False)
     out.print(f"memory: {r.get('memory_model', '?')}, fragmentation "
               f"{r.get('fragmentation', 0) * 100:.0f}%; savings: {r.get('savings_source', '?')}",
               markup=False)
@@ -140,17 +142,23 @@ def capture_result(r: dict, as_json: bool) -> None:
     if as_json:
         return emit_json(r)
     e, g = r["eager"], r["graph"]
+    cols = [("eager", e), ("step" if r["scopes"] == ["step"] else "graph", g)]
+    if r.get("compare"):
+        cols.insert(1, ("attn,moe", r["compare"]))
     t = _table(f"capture: {r['profile']}  scopes={','.join(r['scopes'])}  pool={r['pool']}",
-               ["", "eager", "graph"])
-    t.add_row("iteration ms (median)", _ms(e["step_ms"]), _ms(g.get("step_ms")))
-    t.add_row("tokens/s", f"{e['tokens_per_s']:,.0f}",
-              "-" if g.get("tokens_per_s") is None else f"{g['tokens_per_s']:,.0f}")
-    t.add_row("throughput change", "", "-" if r.get("speedup") is None
-              else f"{(r['speedup'] - 1) * 100:+.1f}%")
-    t.add_row("peak allocated", fmt_bytes(e["peak_allocated"]), fmt_bytes(g.get("peak_allocated")))
-    t.add_row("peak reserved", fmt_bytes(e["peak_reserved"]), fmt_bytes(g.get("peak_reserved")))
-    t.add_row("MFU", f"{e['mfu'] * 100:.1f}%" if e.get("mfu") is not None else "-",
-              f"{g['mfu'] * 100:.1f}%" if g.get("mfu") is not None else "-")
+               [""] + [name for name, _ in cols])
+
+    def row(label, fmt):
+        t.add_row(label, *[fmt(c) for _, c in cols])
+
+    row("iteration ms (median)", lambda c: _ms(c.get("step_ms")))
+    row("tokens/s", lambda c: "-" if c.get("tokens_per_s") is None
+        else f"{c['tokens_per_s']:,.0f}")
+    row("throughput change", lambda c: "" if c is e or not c.get("step_ms")
+        else f"{(e['step_ms'] / c['step_ms'] - 1) * 100:+.1f}%")
+    row("peak allocated", lambda c: fmt_bytes(c.get("peak_allocated")))
+    row("peak reserved", lambda c: fmt_bytes(c.get("peak_reserved")))
+    row("MFU", lambda c: f"{c['mfu'] * 100:.1f}%" if c.get("mfu") is not None else "-")
     out.print(t)
     c = r["counters"]
     out.print(f"captured {c['captured']}  replayed {c['replayed']}  fallback {c['fallback']}  "
@@ -169,6 +177,12 @@ def capture_result(r: dict, as_json: bool) -> None:
             if measured and pl.get("predicted_peak") else ""
         out.print(f"plan {pl['file']}: predicted peak {fmt_bytes(pl.get('predicted_peak'))}, "
                   f"measured peak reserved {fmt_bytes(measured)}{err}", markup=False)
+    sp = r.get("step_prediction")
+    if sp:
+        measured = sp.get("measured_peak_reserved")
+        err = f" ({(measured / sp['predicted_peak'] - 1) * 100:+.1f}%)" if measured else ""
+        out.print(f"whole step: predicted peak {fmt_bytes(sp['predicted_peak'])}, measured "
+                  f"peak reserved {fmt_bytes(measured)}{err}", markup=False)
     if r.get("failure"):
         out.print(f"capture failed and rolled back: {r['failure']}", markup=False)
     for reason in r.get("fallback_reasons", []):
@@ -207,6 +221,14 @@ def profile_result(r: dict, as_json: bool) -> None:
     def pct(x):
         return "-" if x is None else f"{x * 100:.1f}%"
 
+    cmp = r.get("compare")
+    if cmp:  # --scopes step beside attn+moe graphs
+        t = _table("step", ["", "eager", "attn,moe", "whole step"])
+        t.add_row("iteration ms (median)", _ms(r["eager_step_ms"]), _ms(cmp.get("step_ms")),
+                  _ms(r["graph_step_ms"]))
+        t.add_row("peak reserved", fmt_bytes(r.get("eager_peak_reserved")),
+                  fmt_bytes(cmp.get("peak_reserved")), fmt_bytes(r.get("graph_peak_reserved")))
+        out.print(t)
     t = _table("step", ["", "eager", "graph"])
     t.add_row("iteration ms (median)", _ms(r["eager_step_ms"]), _ms(r["graph_step_ms"]))
     t.add_row("MFU", pct(r.get("mfu_eager")), pct(r.get("mfu_graph")))

@@ -1,8 +1,14 @@
-"""Training step: forward, backward, AdamW (fused on CUDA); seeded synthetic or file batches.
+"""Training step: micro-batches' forward and backward, then one AdamW step; seeded synthetic or
+file batches.
 
-Gradients live in fixed `.grad` buffers, allocated once and zeroed in place each step
-(`zero_grad(set_to_none=False)`). Eager and graphed steps therefore accumulate into the same
-storage the same way (0 + g), and a captured backward graph can add into `.grad` directly.
+Gradients are written, not added (grads.py): every trainable parameter is a sink whose `.grad`
+is a fixed view into the optimizer's flat gradient buffer (optim.FlatAdamW), the first
+micro-batch's backward writes each gradient there and later micro-batches (`grad_accum` > 1)
+add to it. There is no zeroing pass. With k micro-batches each micro-batch's loss is scaled by
+1/k, so the gradients are those of the mean loss over the k micro-batches: for the token loss,
+exactly those of one batch k times the size (every micro-batch has the same number of
+predicted tokens); the load-balancing aux loss is the mean of the micro-batches' (as in
+Megatron), not the aux loss of the pooled batch.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from . import grads
 from .errors import UsageError
 
 
@@ -125,9 +132,15 @@ def batches(vocab_size: int, batch: int, seq_len: int, seed: int, device,
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0):
+    """FlatAdamW over the trainable parameters: they and their `.grad` become views into flat
+    buffers, and each becomes a gradient sink."""
+    from .optim import FlatAdamW
+
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = all(p.is_cuda for p in params) and len(params) > 0
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+    optimizer = FlatAdamW(params, lr=lr, weight_decay=weight_decay)
+    for p in params:
+        grads.sink(p)
+    return optimizer
 
 
 def allocate_grads(model: torch.nn.Module) -> None:
@@ -137,27 +150,52 @@ def allocate_grads(model: torch.nn.Module) -> None:
             p.grad = torch.zeros_like(p)
 
 
-class Trainer:
-    """One optimizer step per call; the loss comes back as a device tensor (no host sync)."""
+def split_micro(input_ids: torch.Tensor, grad_accum: int) -> tuple[torch.Tensor, ...]:
+    """A step's [k * b, S] batch as k micro-batches of b sequences (views, no copy)."""
+    if input_ids.shape[0] % grad_accum:
+        raise UsageError(f"run.grad_accum {grad_accum} must divide the step's "
+                         f"{input_ids.shape[0]} sequences")
+    return input_ids.chunk(grad_accum, dim=0) if grad_accum > 1 else (input_ids,)
 
-    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0):
+
+class Trainer:
+    """One optimizer step per call over `grad_accum` micro-batches; the loss (the mean over
+    the micro-batches) comes back as a device tensor (no host sync)."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
+                 grad_accum: int = 1):
         self.model = model
+        self.grad_accum = grad_accum
         self.optimizer = make_optimizer(model, lr, weight_decay)
-        allocate_grads(model)
+
+    def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Every micro-batch's forward and backward; the gradients are in `.grad` after."""
+        total = None
+        for i, ids in enumerate(split_micro(input_ids, self.grad_accum)):
+            self.before_forward()
+            loss = self.model(ids, labels=ids, keep_logits=False).loss
+            if self.grad_accum > 1:
+                loss = loss / self.grad_accum
+            with grads.backward_pass(accumulate=i > 0):
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
+    def before_forward(self) -> None:
+        """Called before each micro-batch's forward (a graph session re-arms here)."""
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=False)
-        out = self.model(input_ids, labels=input_ids)
-        out.loss.backward()
+        loss = self.forward_backward(input_ids)
         self.optimizer.step()
-        return out.loss.detach()
+        return loss
 
 
 def train(model: torch.nn.Module, batch_iter: Iterator[torch.Tensor], steps: int, lr: float,
           weight_decay: float = 0.0,
-          on_step: Callable[[int, torch.Tensor], None] | None = None) -> list[float]:
+          on_step: Callable[[int, torch.Tensor], None] | None = None,
+          grad_accum: int = 1) -> list[float]:
     """Run `steps` optimizer steps; returns the per-step losses."""
-    trainer = Trainer(model, lr, weight_decay)
+    trainer = Trainer(model, lr, weight_decay, grad_accum)
     losses = []
     for i in range(steps):
         loss = trainer.step(next(batch_iter))

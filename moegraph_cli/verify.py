@@ -79,10 +79,10 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
     def make():
         torch.manual_seed(run.seed)
         model = build_model(spec, device, rt=rt)
-        return model, make_trainer(model, lr, run.weight_decay, rt)
+        return model, make_trainer(model, lr, run.weight_decay, rt, run.grad_accum)
 
     def batch_iter():
-        return batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, device,
+        return batches(prof.model.vocab_size, run.batch * run.grad_accum, run.seq_len, run.seed, device,
                        run.data, rank=rank, world=world)
 
     eager_losses, graph_losses, grad_max, grad_worst = [], [], 0.0, "-"
@@ -90,9 +90,10 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
         tick = ticker(bar, rt)
         graph_model, graph_trainer = make()
         gi = batch_iter()
-        session = build_session(graph_model, run.scopes, run.pool, rt=rt)
+        session = build_session(graph_model, run.scopes, run.pool, rt=rt,
+                                grad_accum=run.grad_accum, trainer=graph_trainer)
         first = next(batch_iter())
-        if not capture_into(graph_model, session, first, rt):
+        if not capture_into(graph_model, session, first, rt, run.grad_accum):
             failure = session.failure
             session.uninstall()
             raise NotCapturableError(f"capture failed: {failure}")

@@ -70,7 +70,7 @@ class DistTrainer(GraphTrainer):
         if self.session is not None:
             self.session.new_step()
         self.optimizer.zero_grad(set_to_none=False)
-        out = self.model(input_ids, labels=input_ids)
+        out = self.model(input_ids, labels=input_ids, keep_logits=False)
         (out.loss / self.rt.world).backward()
         if self.rt.dp_size > 1:
             reduce_expert_grads(self.experts, self.rt.dp_group)

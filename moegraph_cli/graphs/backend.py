@@ -27,7 +27,8 @@ class CudaGraphs:
     def __init__(self, capture_error_mode: str = "global"):
         self.capture_error_mode = capture_error_mode
 
-    def capture(self, body: Callable[[], tuple], pool) -> tuple[object, tuple]:
+    def capture(self, body: Callable[[], tuple], pool, run: bool = True) -> tuple[object, tuple]:
+        """`run` matters only to the emulation (a capture runs nothing on the GPU)."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
             result = body()
@@ -64,6 +65,9 @@ class _EmulatedGraph:
 
     def replay(self) -> None:
         new = self.body()
+        if self.result is None:  # captured without running: the first replay makes the buffers
+            self.result = tuple(None if v is None else v.detach().clone() for v in new)
+            return
         with torch.no_grad():
             for static, value in zip(self.result, new):
                 if static is not None and value is not None:
@@ -76,10 +80,25 @@ class _EmulatedGraph:
         return (0, id(self))
 
 
+class _LazyOutputs:
+    """The static outputs of a graph captured without running: its buffers after replays."""
+
+    def __init__(self, graph: _EmulatedGraph):
+        self.graph = graph
+
+    def __iter__(self):
+        return iter(self.graph.result or ())
+
+
 class EmulatedGraphs:
     name = "emulated"
 
-    def capture(self, body: Callable[[], tuple], pool) -> tuple[object, tuple]:
+    def capture(self, body: Callable[[], tuple], pool, run: bool = True) -> tuple[object, tuple]:
+        """`run=False`: a body with side effects (a whole training step) is not run at capture,
+        as on a GPU; its static outputs then exist from the first replay on."""
+        if not run:
+            graph = _EmulatedGraph(body, None)
+            return graph, _LazyOutputs(graph)
         result = body()
         return _EmulatedGraph(body, result), result
 
@@ -98,6 +117,16 @@ class EmulatedGraphs:
     @staticmethod
     def pool_id(graph) -> tuple:
         return graph.pool()
+
+
+def release(backend) -> None:
+    """After a rollback: drop what Python still holds, wait for the device, return the freed
+    pool memory to the driver."""
+    import gc
+
+    gc.collect()
+    backend.synchronize()
+    backend.empty_cache()
 
 
 def default_backend():

@@ -3,10 +3,13 @@
 The scope is any module whose forward takes tensors and returns a tensor or a tuple of
 tensors. Its parameters are read in place by the graphs (explicit inputs at fixed
 addresses); if a parameter's storage moves, the new values are copied into the captured
-storage before replay. The backward graph computes `autograd.grad` of the static outputs
-and adds the parameter gradients into their `.grad` buffers inside the graph, so graphed and
-eager steps accumulate identically (`.grad += g`) and no second copy of the gradients is
-kept in the pool.
+storage before replay. The backward graph computes `autograd.grad` of the static outputs;
+the parameter gradients land in their `.grad` buffers inside the graph, as in an eager step
+(grads.py: a sink's gradient is written there by the op that computes it, any other is added
+by the graph), so no second copy of the gradients is kept in the pool. A backward graph bakes
+the write-or-accumulate mode it was captured in: with `accumulate_too` (gradient
+accumulation) a second backward graph is captured in accumulate mode, and each backward
+replay picks the graph of the mode in force (`grads.accumulating_now()`).
 
 Moving parameters (see params.py; `moving(name, param)` picks them) are the exception: the
 graphs read shared static copies, refreshed before each forward and backward replay from the
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import grads
 from .backend import default_backend
 from .contract import Contract
 from .params import ParamBuffers, swapped_parameters
@@ -67,7 +71,7 @@ class _Replay(torch.autograd.Function):
         scope = ctx.scope
         scope.load_grad_outputs(grad_outputs)
         scope.load_moving(ctx.moving)
-        scope.bwd_graph.replay()
+        scope.backward_graph(grads.accumulating_now()).replay()
         scope.counters.backward_replayed += 1
         scope.group.pending_backward -= 1
         scope.pending = False
@@ -94,11 +98,11 @@ class GraphedScope:
     # -- capture ----------------------------------------------------------------------
     def reset(self) -> None:
         """Drop graphs and every static buffer (used by rollback and uninstall)."""
-        for g in ("fwd_graph", "bwd_graph"):
+        for g in ("fwd_graph", "bwd_graph", "bwd_graph_acc"):
             graph = getattr(self, g, None)
             if graph is not None:
                 graph.reset()
-        self.fwd_graph = self.bwd_graph = None
+        self.fwd_graph = self.bwd_graph = self.bwd_graph_acc = None
         self._autograd_outputs: tuple = ()
         self.static_inputs: list[torch.Tensor] = []
         self.static_outputs: list[torch.Tensor] = []
@@ -175,9 +179,12 @@ class GraphedScope:
         self.fwd_graph, outs = self.backend.capture(forward_body, pool)
         self.static_outputs = list(outs)
 
-    def capture_backward(self, pool, grad_output_buffers: list | None = None) -> None:
+    def capture_backward(self, pool, grad_output_buffers: list | None = None,
+                         accumulate_too: bool = False) -> None:
         """`grad_output_buffers[i]`, when given, is the static grad buffer of output i (the
-        next scope's input-grad buffer, so chained backward replays need no copy)."""
+        next scope's input-grad buffer, so chained backward replays need no copy).
+        `accumulate_too`: also capture the accumulate-mode backward graph, which hands its
+        input gradients over in the write-mode graph's buffers."""
         self.static_grad_outputs = []
         for i, o in enumerate(self.static_outputs):
             given = grad_output_buffers[i] if grad_output_buffers else None
@@ -187,28 +194,49 @@ class GraphedScope:
                 self.static_grad_outputs.append(given)
             else:
                 self.static_grad_outputs.append(torch.zeros_like(o))
+        self.bwd_graph, input_grads = self.backend.capture(
+            self._backward_body(False, retain=accumulate_too), pool)
+        self.static_input_grads = list(input_grads)
+        if accumulate_too:
+            self.bwd_graph_acc, _ = self.backend.capture(self._backward_body(True), pool)
+        self.counters.captured += 1
+
+    def _backward_body(self, accumulate: bool, retain: bool = False):
         grads_for = [g for g in self.static_grad_outputs if g is not None]
         wrt_inputs = [t for t in self.static_inputs if t.requires_grad]
 
-        def backward_body():
-            diff = [o for o in self._autograd_outputs if o.requires_grad]
-            grads = torch.autograd.grad(diff, wrt_inputs + self.params + self.moving_values,
-                                        grad_outputs=grads_for, allow_unused=True)
-            n_in, n_baked = len(wrt_inputs), len(self.params)
-            for p, g in zip(self.params, grads[n_in:n_in + n_baked]):
-                if g is not None:
-                    p.grad.add_(g)
-            for buf, g in zip(self.moving_grads, grads[n_in + n_baked:]):
-                if g is None:
-                    buf.zero_()
-                else:
+        def body():
+            with grads.backward_pass(accumulate):
+                diff = [o for o in self._autograd_outputs if o.requires_grad]
+                got = torch.autograd.grad(diff, wrt_inputs + self.params + self.moving_values,
+                                          grad_outputs=grads_for, allow_unused=True,
+                                          retain_graph=retain)
+                n_in, n_baked = len(wrt_inputs), len(self.params)
+                for p, g in zip(self.params, got[n_in:n_in + n_baked]):
+                    if g is not None and grads.deposit(p, g) is not None:
+                        p.grad.add_(g)  # not a sink: autograd's contract, `.grad += g`
+                for buf, g in zip(self.moving_grads, got[n_in + n_baked:]):
+                    if g is None:
+                        buf.zero_()
+                    else:
+                        buf.copy_(g)
+                it = iter(got[:len(wrt_inputs)])
+                ins = tuple(next(it) if t.requires_grad else None for t in self.static_inputs)
+            if not accumulate or not self.static_input_grads:
+                return ins
+            for buf, g in zip(self.static_input_grads, ins):
+                if buf is not None and g is not None:
                     buf.copy_(g)
-            it = iter(grads[:len(wrt_inputs)])
-            return tuple(next(it) if t.requires_grad else None for t in self.static_inputs)
+            return ()
+        return body
 
-        self.bwd_graph, input_grads = self.backend.capture(backward_body, pool)
-        self.static_input_grads = list(input_grads)
-        self.counters.captured += 1
+    def backward_graph(self, accumulate: bool):
+        if not accumulate:
+            return self.bwd_graph
+        if self.bwd_graph_acc is None:
+            raise RuntimeError(f"{self.name}: a backward in accumulate mode, but the session "
+                               "was captured without accumulate_too")
+        return self.bwd_graph_acc
 
     # -- replay -----------------------------------------------------------------------
     def precheck(self) -> str | None:
@@ -281,7 +309,7 @@ class GraphedScope:
         return out
 
     def graphs(self) -> list:
-        return [g for g in (self.fwd_graph, self.bwd_graph) if g is not None]
+        return [g for g in (self.fwd_graph, self.bwd_graph, self.bwd_graph_acc) if g is not None]
 
 
 def _as_tuple(x):

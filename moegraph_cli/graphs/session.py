@@ -24,13 +24,12 @@ that breaks later, at the call, stops the run with an error instead of deciding 
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .backend import default_backend
+from .backend import default_backend, release
 from .params import ParamBuffers
 from .pools import PoolGroup, capture_order, group_names, pool_bytes
 from .scope import GraphedScope, _as_tuple
@@ -47,9 +46,10 @@ class ScopeSpec:
 class GraphSession:
     def __init__(self, specs: list[ScopeSpec], strategy: str = "shared",
                  groups: dict[str, str | None] | None = None, warmup_iters: int = 3,
-                 backend=None, moving=None, agree=None):
+                 backend=None, moving=None, agree=None, accumulate: bool = False):
         self.backend = backend if backend is not None else default_backend()
         self.agree = agree
+        self.accumulate = accumulate  # also capture accumulate-mode backward graphs
         self.buffers = ParamBuffers()
         gnames = group_names([s.name for s in specs], [s.kind for s in specs], strategy, groups)
         self.strategy = strategy if groups is None else "plan"
@@ -135,7 +135,8 @@ class GraphSession:
                 if phase == "fwd":
                     scope.capture_forward(self._static_inputs(i), pool)
                 else:
-                    scope.capture_backward(pool, self._grad_output_buffers(i))
+                    scope.capture_backward(pool, self._grad_output_buffers(i),
+                                           accumulate_too=self.accumulate)
             self.backend.synchronize()
             self._drop_chained_samples()
         except Exception as e:  # noqa: BLE001 - any failure rolls the whole capture back
@@ -177,9 +178,7 @@ class GraphSession:
     def rollback(self, reason: str) -> None:
         self.uninstall()
         self.failure = reason
-        gc.collect()
-        self.backend.synchronize()
-        self.backend.empty_cache()
+        release(self.backend)
 
     # -- 3. install ---------------------------------------------------------------------
     def install(self) -> None:
@@ -249,7 +248,8 @@ class GraphSession:
             named.append((g.name, [gr for s in g.members for gr in s.graphs()]))
         for s in self.scopes:
             if not s.group.pooled:
-                for tag, gr in (("fwd", s.fwd_graph), ("bwd", s.bwd_graph)):
+                for tag, gr in (("fwd", s.fwd_graph), ("bwd", s.bwd_graph),
+                                ("bwd_acc", s.bwd_graph_acc)):
                     if gr is not None:
                         named.append((f"{s.name}.{tag}", [gr]))
         ids = {name: {self.backend.pool_id(gr) for gr in graphs} for name, graphs in named}

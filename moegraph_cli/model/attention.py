@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .linear import Linear
 from .norm import RMSNorm
 from .rope import apply_rope
 
@@ -23,10 +24,10 @@ class AttentionScope(nn.Module):
         h, qd, kvd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, \
             cfg.num_key_value_heads * cfg.head_dim
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(h, qd, bias=False)
-        self.k_proj = nn.Linear(h, kvd, bias=False)
-        self.v_proj = nn.Linear(h, kvd, bias=False)
-        self.o_proj = nn.Linear(qd, h, bias=False)
+        self.q_proj = Linear(h, qd, bias=False)
+        self.k_proj = Linear(h, kvd, bias=False)
+        self.v_proj = Linear(h, kvd, bias=False)
+        self.o_proj = Linear(qd, h, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the model

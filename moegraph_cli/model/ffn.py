@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import grads
 from ..config import ModelConfig, MoeConfig
 from ..moe.ep import EpGroup, ep_moe
 from ..moe.reference import reference_experts
 from ..moe.routing import aux_stats, local_dispatch, route
+from .linear import Linear
 from .norm import RMSNorm
 
 
@@ -52,7 +54,7 @@ class MoeScope(nn.Module):
         batch, seq, hidden = h_BSH.shape
         x_TH = self.post_norm(h_BSH).view(batch * seq, hidden)
         topk_ids_TK, topk_weights_TK, probs_TE = route(
-            x_TH, self.router.weight, self.top_k, self.norm_topk_prob)
+            x_TH, grads.through(self.router.weight), self.top_k, self.norm_topk_prob)
         experts = experts_fn(self.backend, x_TH.device)
         if self.ep is not None:
             y_TH, dropped = ep_moe(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up,
@@ -75,9 +77,9 @@ class DenseMlpScope(nn.Module):
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_proj = Linear(h, i, bias=False)
+        self.up_proj = Linear(h, i, bias=False)
+        self.down_proj = Linear(i, h, bias=False)
 
     def forward(self, h_BSH: torch.Tensor) -> torch.Tensor:
         y = self.post_norm(h_BSH)

@@ -1,12 +1,16 @@
-"""RMSNorm with transformers' numerics: fp32 math, cast back, then scale by the weight."""
+"""RMSNorm with transformers' numerics: fp32 math, cast back, then scale by the weight.
+
+The weight's gradient goes through `grads.through` (deposited into a sink's `.grad`)."""
 
 import torch
+
+from .. import grads
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return grads.through(weight) * x32.to(x.dtype)
 
 
 class RMSNorm(torch.nn.Module):

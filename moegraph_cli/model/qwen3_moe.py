@@ -4,7 +4,8 @@ Layer i: `h = attn(x)` (input norm + attention + residual) then `y = ffn(h)` (po
 MoE or dense MLP + residual). `layers[i].attn` and `layers[i].ffn` are the graphable scopes;
 everything else (embedding, final norm, lm head, loss) stays eager.
 
-Loss: next-token cross-entropy in fp32 over labels shifted by one (as HF's ForCausalLMLoss),
+Loss: next-token cross-entropy in fp32 over labels shifted by one (as HF's ForCausalLMLoss;
+computed by loss.linear_cross_entropy without materialising fp32 logits),
 plus `router_aux_loss_coef * aux_loss`, where aux_loss pools every MoE layer's statistics
 (HF's `load_balancing_loss_func` with `output_router_logits=True`).
 """
@@ -18,10 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import grads
 from ..config import ModelConfig, MoeConfig, load_profile, read_hf_config
 from ..moe.routing import aux_loss_from_stats
 from .attention import AttentionScope
 from .ffn import DenseMlpScope, MoeScope
+from ..loss import causal_shift, linear_cross_entropy
+from .linear import linear
 from .norm import RMSNorm
 from .rope import rope_cos_sin
 
@@ -129,8 +133,13 @@ class Qwen3MoeModel(nn.Module):
         for layer in self.layers:
             layer.attn.rope = self._rope_cache[key]
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
-        x_BSH = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                keep_logits: bool = True) -> ModelOutput:
+        """Logits, and with `labels` the loss (loss.linear_cross_entropy: the lm head and the
+        fp32 cross-entropy without fp32 [tokens, vocab] logits) plus the weighted aux loss.
+        `keep_logits=False` (the trainers): the loss's backward overwrites the logits' buffer
+        with their gradient, and no logits are returned."""
+        x_BSH = F.embedding(input_ids, grads.through(self.embed_tokens.weight))
         self.rope_tables(input_ids.shape[1], x_BSH.dtype, x_BSH.device)
         aux_stats: list[torch.Tensor] = []
         for layer in self.layers:
@@ -139,14 +148,19 @@ class Qwen3MoeModel(nn.Module):
                 aux_stats.append(stats_2E)
         x_BSH = self.norm(x_BSH)
         w_head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x_BSH, w_head)
         aux = None
         if aux_stats:
             aux = aux_loss_from_stats(aux_stats, input_ids.numel() * self.aux_world,
                                       self.aux_reduce)
         loss = None
-        if labels is not None:
-            loss = causal_lm_loss(logits, labels)
+        if labels is None:
+            logits = linear(x_BSH, w_head)
+        else:
+            loss, logits = linear_cross_entropy(x_BSH, w_head,
+                                                causal_shift(labels.to(x_BSH.device)),
+                                                inplace_backward=not keep_logits)
+            if not keep_logits:
+                logits = None
             if aux is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux
         return ModelOutput(logits=logits, loss=loss, aux_loss=aux)

@@ -26,6 +26,7 @@ from moegraph_kernels.gather_gemm import (GemmConfig, dact_config, dact_swiglu, 
 from moegraph_kernels.route_align import RouteList, build_route_list
 from moegraph_kernels.wgrad import expert_wgrad, wgrad_config
 
+from .. import grads
 from .routing import Dispatch, local_dispatch
 
 # Tests set this (through `poisoned_scratch`) to allocate every output and scratch buffer
@@ -63,8 +64,14 @@ class TileConfigs(NamedTuple):
 
 def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
                  device: torch.device) -> TileConfigs:
+    """The kernels' default tiles, with the Hopper variants that measured faster on the H200
+    (`benchmarks/moe_experts.py --variants`, Qwen3 shape, bitwise equal to the pointer path;
+    each falls back to it where TMA or persistence is unavailable): FC1 loads its weight tiles
+    through TMA (T=1024: 0.364 -> 0.244 ms; T=8192: 0.891 -> 0.811 ms); FC2 at 128-row blocks
+    runs persistent with TMA (0.442 -> 0.380 ms), at 64-row blocks a 64 x 128 x 64 tile
+    (0.147 -> 0.127 ms); dX at 64-row blocks persistent with TMA (0.252 -> 0.238 ms)."""
     block = route_block_m(num_routes, num_experts, device)
-    return TileConfigs(
+    cfg = TileConfigs(
         route_block=block,
         fc1=fc1_config(ffn, block, device),
         fc2=slot_gemm_config(hidden, block, device),
@@ -73,6 +80,12 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
         wgrad_down=wgrad_config(ffn, device),
         wgrad_gate_up=wgrad_config(hidden, device),
     )
+    if device.type != "cuda":
+        return cfg
+    fc2 = cfg.fc2.with_variant("tma+persistent") if block >= 128 else \
+        GemmConfig(64, 128, 64, 8, 4, 4)
+    dx = cfg.dx.with_variant("tma+persistent") if block < 128 else cfg.dx
+    return cfg._replace(fc1=cfg.fc1.with_variant("tma"), fc2=fc2, dx=dx)
 
 
 def build_routes(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
@@ -100,6 +113,7 @@ class PermuteFreeMoE(torch.autograd.Function):
         num_experts, two_f, _ = w_gate_up_EFH.shape
         ffn = two_f // 2
         dev = x_TH.device
+        ctx.weights = (w_gate_up_EFH, w_down_EHF)  # the parameters: sinks get dW written
         if not isinstance(dispatch, Dispatch):  # a capacity factor (or None): decide here
             dispatch = local_dispatch(topk_ids_TK, topk_weights_TK, num_experts, dispatch)
         cfg = configs or tile_configs(_route_bound(topk_ids_TK, dispatch), num_experts, hidden,
@@ -146,9 +160,7 @@ class PermuteFreeMoE(torch.autograd.Function):
 
         dw_down = None
         if need_down:
-            dw_down = expert_wgrad(dout_TH, act, routes,
-                                   _scratch(w_down_EHF.shape, w_down_EHF.dtype, dev),
-                                   gather_l=True, gather_r=False, cfg=cfg.wgrad_down)
+            dw_down = _wgrad(ctx.weights[1], dout_TH, act, routes, True, False, cfg.wgrad_down)
         del act
         dweights = None
         if need_w:
@@ -167,10 +179,21 @@ class PermuteFreeMoE(torch.autograd.Function):
             del dx_S
         dw_gate_up = None
         if need_gu:
-            dw_gate_up = expert_wgrad(dy1, x_TH, routes,
-                                      _scratch(w_gate_up_EFH.shape, w_gate_up_EFH.dtype, dev),
-                                      gather_l=False, gather_r=True, cfg=cfg.wgrad_gate_up)
+            dw_gate_up = _wgrad(ctx.weights[0], dy1, x_TH, routes, False, True,
+                                cfg.wgrad_gate_up)
         return dx, None, dweights, dw_gate_up, dw_down, None, None
+
+
+def _wgrad(w, l_rows, r_rows, routes, gather_l, gather_r, cfg):
+    """An expert weight's gradient: written (or added) by the kernel straight into a sink's
+    `.grad` (returns None), else into a fresh buffer that is returned."""
+    where = grads.target(w)
+    if where is not None:
+        out, acc = where
+        expert_wgrad(l_rows, r_rows, routes, out, gather_l, gather_r, cfg, accumulate=acc)
+        return None
+    out = _scratch(w.shape, w.dtype, l_rows.device)
+    return expert_wgrad(l_rows, r_rows, routes, out, gather_l, gather_r, cfg)
 
 
 def permute_free_moe_with_drops(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import grads
 from .routing import Dispatch, local_dispatch
 
 
@@ -31,8 +32,10 @@ def reference_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
 
 def reference_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                       dispatch: Dispatch) -> torch.Tensor:
-    """The experts over the routes `dispatch` keeps (all when keep_TK is None)."""
+    """The experts over the routes `dispatch` keeps (all when keep_TK is None). A sink's
+    gradient is deposited whole (an expert with no routes gets exact zeros)."""
     top_k = topk_ids_TK.shape[1]
+    w_gate_up_EFH, w_down_EHF = grads.through(w_gate_up_EFH), grads.through(w_down_EHF)
     y_TKH = route_outputs(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                           dispatch.keep_TK)
     out_TH = y_TKH[:, 0].float()

@@ -16,8 +16,10 @@ Per scope (one of attn, moe, mlp) the model counts, in bytes:
   [2,E] fp32 router statistics).
 - fwd_transient: the forward's peak above saved + out (short-lived temporaries).
 - bwd_transient: the backward's peak above what was live before it. It includes the input
-  gradient and every parameter gradient of the scope: a graphed backward returns them all from
-  one autograd.grad before `p.grad.add_(g)` (for moe the expert grads [E,2F,H] and [E,H,F]).
+  gradient and, where gradients are returned rather than written (a distributed rank's FSDP2
+  parameters, the reference experts), every parameter gradient of the scope (for moe the
+  expert grads [E,2F,H] and [E,H,F]); in one process they are written straight into `.grad`
+  (grads.py) and `written_grads` takes them out.
 Transients are upper estimates from the largest temporaries alive together; a calibration
 (measured on the GPU by `moegraph profile --calibrate`) replaces all of these numbers.
 
@@ -35,9 +37,9 @@ A step (see `StepModel.predict`):
   scope's output keeps a static input [B,S,H]; one whose output does not feed a captured scope
   keeps a static grad-output buffer (moe's router statistics always do).
 - eager live bytes at the worst moment of the step: eager scopes' saved activations and
-  transients, the residual stream, and the loss: logits [T,V] in the model dtype (held by the
-  model output through backward), their fp32 upcast, log-softmax's fp32 output (saved), its
-  gradient, and the lm-head / embedding weight-gradient temporaries [V,H].
+  transients, the residual stream, and the loss: logits [T,V] in the model dtype (saved for
+  backward, then overwritten by their gradient; no fp32 [T,V] exists, see loss.py) and the
+  embedding's dense weight-gradient temporary [V,H] (and the lm head's where it is returned).
 - allocator slack: `fragmentation` (default FRAGMENTATION) times the pools and the eager
   dynamic bytes, pools rounded up to 2 MiB segments.
 The capture command first runs eager steps, so the prediction is the larger of that eager
@@ -262,6 +264,29 @@ class StepModel:
                           pools=pools, io_bytes=io, scope_bytes=scope_bytes,
                           worst_moment=where, headroom=self.headroom())
 
+    def predict_step(self) -> Prediction:
+        """The whole step as one graph (`--scopes step`): everything a step allocates, eager
+        activations, the loss and every transient, comes from the step graph's one pool, so
+        the pool is the eager step's dynamic peak (with the allocator's slack and its medium
+        segments); outside it stay the static bytes and the batch. The capture command runs
+        eager steps first, so the peak is the larger of that phase and the graph phase."""
+        frag = 1.0 + self.fragmentation
+        none = (False,) * len(self.scopes)
+        dyn, where = self._eager_dynamic(none)
+        pool = _round_up(int(dyn * frag) + max(self.pool_offsets.get("shared", 0), 0),
+                         SEGMENT) + MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT
+        static = self.static["total"]
+        slack = MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT
+        eager = self.runtime_graph + self.eager_offset + slack
+        graph_phase = static + pool + eager
+        eager_phase = static + int(dyn * frag) + self.runtime + self.eager_offset + slack
+        return Prediction(strategy="step", captured=(True,) * len(self.scopes),
+                          peak=max(graph_phase, eager_phase), graph_phase_peak=graph_phase,
+                          eager_phase_peak=eager_phase, static_bytes=static, eager_peak=eager,
+                          pool_bytes=pool, pools={"step": pool}, io_bytes=0,
+                          scope_bytes={"step": pool}, worst_moment=f"{where} (in the step pool)",
+                          headroom=self.headroom())
+
     def headroom(self) -> int:
         """Under a memory cap the caching allocator must still find the step's largest block
         (the fp32 log-softmax [T, V], or one layer's expert weight grad) in one piece, and
@@ -372,16 +397,17 @@ class StepModel:
 
 def loss_moments(t: dict[str, int], live: int, peak: int, where: str) -> tuple[int, int, str]:
     """Final norm, lm head and loss over `live` bytes: (live after them, peak, where). The
-    logits stay alive (the model output) through the backward."""
+    logits live from the head's forward to its backward (the trainers keep none), their
+    gradient written over them."""
     live += t["norm_saved"] + t["logits"]
     if live + t["loss_fwd_transient"] > peak:
         peak, where = live + t["loss_fwd_transient"], "loss forward"
     live += t["loss_saved"]
     if live + t["loss_bwd_transient"] > peak:
         peak, where = live + t["loss_bwd_transient"], "loss backward"
-    live -= t["norm_saved"] + t["loss_saved"]
     if live + t["head_bwd_transient"] > peak:
         peak, where = live + t["head_bwd_transient"], "lm-head backward"
+    live -= t["norm_saved"] + t["loss_saved"] + t["logits"]
     return live, peak, where
 
 
@@ -474,21 +500,21 @@ def mlp_memory(prof: Profile) -> ScopeMemory:
                        saves_input=b == 4)
 
 
-def tail_memory(prof: Profile) -> dict[str, int]:
-    """Final norm, lm head and the fp32 cross-entropy (HF's ForCausalLMLoss)."""
+def tail_memory(prof: Profile, sinks: bool = True) -> dict[str, int]:
+    """Final norm, lm head and loss.linear_cross_entropy (the trainers' keep_logits=False):
+    the logits [T, V] in the model dtype are the only [T, V] tensor; their gradient
+    overwrites them in backward; fp32 exists per row only (lse, per-token loss). `sinks`
+    (one process): the lm head's dW is written into `.grad` by its GEMM, else returned."""
     c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
     H, V = c.hidden_size, c.vocab_size
-    upcast = 4 * T * V if b < 4 else 0  # logits.float(); a no-op in fp32
     return {
         "norm_saved": rms_saved(T, H, b, True) + b * T * H + 8 * T,  # + lm-head input, labels
         "logits": b * T * V,
-        "loss_fwd_transient": upcast + 4 * T * V,  # upcast and log-softmax output together
-        "loss_saved": 4 * T * V,  # log-softmax output
-        # nll's dense fp32 gradient and log-softmax's input gradient, beside its saved output
-        "loss_bwd_transient": 8 * T * V,
-        # the logits' gradient (fp32 then cast, or one fp32), dX and the lm-head's dW
-        "head_bwd_transient": max(4 * T * V + (b * T * V if b < 4 else 0),
-                                  b * T * V + b * T * H + b * V * H),
+        "loss_fwd_transient": 8 * T,  # per-token loss and the shifted labels
+        "loss_saved": 4 * T + 8 * T,  # lse, labels
+        "loss_bwd_transient": 0,  # dlogits are written over the logits
+        # dX, and the lm head's dW where it is returned rather than written
+        "head_bwd_transient": b * T * H + (0 if sinks else b * V * H),
         "embed_bwd_transient": b * V * H + 4 * T * H + 32 * T,  # dense grad, fp32 partials
     }
 
@@ -537,6 +563,8 @@ def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | Non
         moe_memory_ep(prof, parallel, device_type)
     kinds = {"attn": attn_memory(prof), "moe": moe, "mlp": mlp_memory(prof)}
     if parallel is None:
+        kinds = written_grads(kinds, prof, device_type)
+    if parallel is None:
         static = dict(static_memory(prof.model, prof.run.dtype))
     else:
         static = static_per_rank(prof, parallel)[0]
@@ -545,7 +573,8 @@ def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | Non
     static["total"] += static["buffers"]
     breakdown.update(buffer_bytes=static["buffers"], total_bytes=static["total"])
     model = StepModel(prof=prof, scopes=scope_refs(prof), kinds=kinds, static=static,
-                      stream=b * T * H, tail=tail_memory(prof), fragmentation=fragmentation,
+                      stream=b * T * H, tail=tail_memory(prof, sinks=parallel is None),
+                      fragmentation=fragmentation,
                       runtime=RUNTIME_BYTES if device_type == "cuda" else 0,
                       runtime_graph=RUNTIME_GRAPH_BYTES if device_type == "cuda" else 0,
                       parallel=parallel, static_breakdown=breakdown,
@@ -553,6 +582,24 @@ def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | Non
     if calibration is not None:
         apply_calibration(model, calibration)
     return model
+
+
+def written_grads(kinds: dict[str, ScopeMemory], prof: Profile, device_type: str
+                  ) -> dict[str, ScopeMemory]:
+    """One process: every parameter is a gradient sink (grads.py), so a scope's backward
+    writes its weight gradients straight into the persistent `.grad` buffers (static memory)
+    and they leave its transient. The reference experts (the CPU path) still materialise
+    theirs before depositing them."""
+    backend = prof.moe.backend
+    if backend == "auto":
+        backend = "permute_free" if device_type == "cuda" else "reference"
+    out = {}
+    for name, m in kinds.items():
+        if name == "moe" and backend == "reference":
+            out[name] = m
+        else:
+            out[name] = dataclasses.replace(m, bwd_transient=m.bwd_transient - m.param_grads)
+    return out
 
 
 def apply_calibration(model: StepModel, entry: dict) -> None:

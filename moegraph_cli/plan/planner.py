@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..capability import check_capturable
 from ..documents import at, check_format, is_number, read_document, show
-from ..errors import MoegraphError, UsageError
+from ..errors import MoegraphError, NotCapturableError, UsageError
 from ..runspec import RunSpec
 from ..units import fmt_bytes, parse_bytes
 from .calibration import lookup
@@ -240,6 +240,9 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
 
     static = model.static["total"]
     eager_only = model.predict((False,) * len(model.scopes), strategies[0]).required
+    if scopes == ["step"]:
+        return _plan_step(model, prof, spec, key, budget_bytes, budget_note, memory_source,
+                          out, parallel)
     rank = "" if parallel.single else \
         f" per rank of --nproc {parallel.world} --ep {parallel.ep}"
     if budget_bytes < static:  # a valid request that cannot be met: exit 1, not usage
@@ -306,6 +309,40 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
                                         "left_out")}
         write_plan(out, Plan(key=key, pool=strategy or "none", layers=layers, pools=p.pools,
                              predicted_peak=p.peak, budget=budget_bytes, extra=extra))
+    return json.loads(json.dumps(result, default=str))
+
+
+def _plan_step(model: StepModel, prof, spec, key, budget_bytes: int, budget_note: str,
+               memory_source: str, out: str | None, parallel: Parallel) -> dict:
+    """`--scopes step`: price the whole step as one graph; refuse (exit 4) where it cannot be
+    captured whole or does not fit the budget, naming why."""
+    if not parallel.single:
+        raise NotCapturableError(
+            "--scopes step: the whole step cannot be one graph on several processes (FSDP2's "
+            "collectives run outside graphs); plan --scopes attn,moe")
+    if out:
+        raise UsageError("--out: a whole-step graph has no per-layer choices to write; run "
+                         "capture --scopes step (no --plan)")
+    p = model.predict_step()
+    if p.required > budget_bytes:
+        raise NotCapturableError(
+            f"--scopes step: the whole step needs {fmt_bytes(p.required)} (static "
+            f"{fmt_bytes(p.static_bytes)}, step pool {fmt_bytes(p.pool_bytes)}, headroom "
+            f"{fmt_bytes(p.headroom)}) over the budget {fmt_bytes(budget_bytes)}; plan "
+            "--scopes attn,moe, which picks the layers that fit")
+    result = {
+        "profile": prof.name, "source": spec.source, "key": key, "world": 1, "ep": 1,
+        "static_breakdown": model.static_breakdown, "memory_model": memory_source,
+        "savings_source": None, "budget": budget_bytes, "budget_note": budget_note,
+        "pool_request": "step", "pool": "step", "scopes_requested": ["step"], "layers": [],
+        "static_bytes": p.static_bytes, "eager_peak": p.eager_peak, "pool_bytes": p.pool_bytes,
+        "io_bytes": 0, "pools": p.pools, "predicted_peak": p.peak, "layers_bytes": 0,
+        "pool_working_bytes": p.pool_bytes, "headroom_bytes": p.headroom,
+        "required_budget": p.required, "graph_phase_peak": p.graph_phase_peak,
+        "eager_phase_peak": p.eager_phase_peak, "worst_moment": p.worst_moment,
+        "fragmentation": model.fragmentation, "saved_ms": None, "candidates": [],
+        "left_out": [], "scope_memory": {}, "out": None,
+    }
     return json.loads(json.dumps(result, default=str))
 
 

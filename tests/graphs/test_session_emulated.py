@@ -70,8 +70,8 @@ def test_lr_positive_tracks_eager():
 
 def test_seq_len_change_falls_back_alone_when_unpooled():
     model = _model()
-    session = _session(model, strategy="per_entry")
     tr = GraphTrainer(model, lr=0.0)
+    session = _session(model, strategy="per_entry")
     tr.session = session
     tr.step(next(batches(128, 2, 16, 0, "cpu")))
     tr.step(next(batches(128, 2, 24, 0, "cpu")))  # new seq_len: contract breaks
@@ -84,8 +84,8 @@ def test_seq_len_change_falls_back_alone_when_unpooled():
 
 def test_shared_group_goes_eager_together():
     model = _model()
-    session = _session(model, strategy="shared")
     tr = GraphTrainer(model, lr=0.0)
+    session = _session(model, strategy="shared")
     tr.session = session
     # Break only layer 1's attention contract: grad buffer moved for one of its params.
     layer1 = model.layers[1].attn
@@ -101,8 +101,8 @@ def test_shared_group_goes_eager_together():
 
 def test_unpooled_violation_stays_alone():
     model = _model()
-    session = _session(model, strategy="per_entry")
     tr = GraphTrainer(model, lr=0.0)
+    session = _session(model, strategy="per_entry")
     tr.session = session
     layer1 = model.layers[1].attn
     layer1.q_proj.weight.grad = torch.zeros_like(layer1.q_proj.weight)

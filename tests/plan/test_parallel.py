@@ -168,7 +168,7 @@ def test_ep_moe_scope_qwen3_by_hand():
 def test_root_reduce_scatter_and_moving_buffers_by_hand():
     """8 ranks, everything captured in a shared pool: the eager part's worst moment is the
     root's reduce-scatter: its unsharded params and grads, the fp32 flat input and output
-    shard, beside the residual stream and the logits."""
+    shard, beside the residual stream (the logits died with the loss's backward)."""
     prof = load_profile(QWEN, SEQ_1K)
     model = step_model(prof, parallel=Parallel(8, 8))
     n = len(model.scopes)
@@ -178,7 +178,7 @@ def test_root_reduce_scatter_and_moving_buffers_by_hand():
     # + FSDP2's side-stream caches: the root's gather (b) and its fp32 shard plus bf16 cast
     side = 2 * 8 * shard + (4 + 2) * shard
     assert model.fsdp.side_streams() == side
-    dyn = 2 * 2 * root + 4 * 8 * shard + 4 * shard + model.stream + model.tail["logits"] + side
+    dyn = 2 * 2 * root + 4 * 8 * shard + 4 * shard + model.stream + side  # logits freed by now
     assert p.worst_moment == "reduce-scatter of the root"
     assert p.eager_peak == int(dyn * (1 + FRAGMENTATION)) + p.io_bytes + model.runtime_graph \
         + MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT
@@ -195,16 +195,20 @@ def test_root_reduce_scatter_and_moving_buffers_by_hand():
 
 
 def test_eager_step_of_a_rank_by_hand():
-    """2 ranks, nothing captured: the worst moment is the loss backward, as in one process,
-    with the root's unsharded parameters (kept from its forward) under it."""
+    """2 ranks, nothing captured: the worst moment is the last MoE layer's backward (the
+    fused loss keeps no fp32 [T, V]; a rank's expert grads are returned, not written), over
+    every layer's saved activations, with the root's unsharded parameters (kept from its
+    forward) and the lm head's unsharded gradient under it."""
     model = step_model(load_profile(QWEN, SEQ_1K), parallel=Parallel(2, 2))
     n = len(model.scopes)
     none = model.predict((False,) * n, "shared")
     t, a, m = model.tail, model.kinds["attn"], model.kinds["moe"]
+    assert t["loss_bwd_transient"] == 0 and t["loss_saved"] == 12 * 1024
     root = 2 * (2 * 151936 * 2048 + 2048)
-    dyn = (root + model.stream + 48 * (a.saved + m.saved) + t["norm_saved"] + t["logits"]
-           + t["loss_saved"] + t["loss_bwd_transient"] + model.fsdp.side_streams())
-    assert none.worst_moment == "loss backward"
+    dyn = (root + model.stream + 48 * (a.saved + m.saved) + model.fsdp.head_grad
+           + model.fsdp.working_set(47, -1) + m.bwd_transient + model.fsdp.side_streams())
+    assert none.worst_moment == "backward of layers.47.moe"
+    assert m.bwd_transient > m.param_grads  # returned, not written, on a rank
     assert none.eager_peak == int(dyn * (1 + FRAGMENTATION)) + model.runtime \
         + MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT
     every = model.predict((True,) * n, "shared")

@@ -232,3 +232,18 @@ def test_cli_plan_writes_file(tmp_path):
     assert code == 0, stderr
     assert f"wrote {out}" in stdout
     assert load_plan(out, load_profile("tiny-qwen3-moe")).predicted_peak <= 1200 * MiB
+
+
+def test_plan_step_prices_the_whole_step_and_refuses_what_does_not_fit():
+    from moegraph_cli.errors import NotCapturableError
+    from moegraph_cli.plan.planner import plan_command
+    from moegraph_cli.runspec import resolve
+
+    spec = resolve("qwen3-30b-a3b-4layer", None, ["run.scopes=[step]"])
+    result = plan_command(spec, budget="130GiB")
+    assert result["pool"] == "step" and result["pools"]["step"] == result["pool_bytes"]
+    assert result["predicted_peak"] >= result["static_bytes"] + result["pool_bytes"]
+    with pytest.raises(NotCapturableError, match="whole step needs"):
+        plan_command(spec, budget=f"{result['static_bytes'] + 2**20}")
+    with pytest.raises(NotCapturableError, match="several processes"):
+        plan_command(spec, budget="130GiB", nproc=2, ep=2)
