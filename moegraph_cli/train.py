@@ -140,6 +140,10 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0)
     optimizer = FlatAdamW(params, lr=lr, weight_decay=weight_decay)
     for p in params:
         grads.sink(p)
+    if any(p.is_cuda for p in params):
+        # Packing held every parameter twice for a moment: give the cached copies back, so
+        # they do not count in the run's reserved peak.
+        torch.cuda.empty_cache()
     return optimizer
 
 
