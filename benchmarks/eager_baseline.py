@@ -20,13 +20,13 @@ from common import count_kernels, time_ms, write_records  # noqa: E402
 
 from moegraph_cli.config import load_profile  # noqa: E402
 from moegraph_cli.harness import device_info  # noqa: E402
-from moegraph_cli.model import Qwen3MoeModel  # noqa: E402
+from moegraph_cli.models import MoeCausalLM  # noqa: E402
 from moegraph_cli.train import Trainer, synthetic_batch  # noqa: E402
 
 
 def moegraph_step(prof, backend):
     prof.moe.backend = backend
-    model = Qwen3MoeModel.from_config(prof.model, prof.moe, 0, torch.bfloat16, "cuda")
+    model = MoeCausalLM.from_config(prof.model, prof.moe, 0, torch.bfloat16, "cuda")
     trainer = Trainer(model, lr=1e-5)
     return model, lambda ids: trainer.step(ids)
 

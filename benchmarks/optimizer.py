@@ -38,7 +38,7 @@ import triton  # noqa: E402
 
 from common import count_kernels, time_ms  # noqa: E402
 from moegraph_cli.config import load_profile  # noqa: E402
-from moegraph_cli.model import Qwen3MoeModel  # noqa: E402
+from moegraph_cli.models import MoeCausalLM  # noqa: E402
 from moegraph_cli.optim import FlatAdamW  # noqa: E402
 from moegraph_kernels.adamw import adamw_step, bias_correction_  # noqa: E402
 
@@ -51,7 +51,7 @@ def transformer_shapes(target: float) -> tuple[list[tuple[int, ...]], list[tuple
     """(shapes totalling about `target` elements, the check subset's shapes)."""
     prof = load_profile("qwen3-30b-a3b-4layer")
     with torch.device("meta"):
-        model = Qwen3MoeModel(prof.model, prof.moe)
+        model = MoeCausalLM(prof.model, prof.moe)
     outer, layer = [], []
     for name, p in model.named_parameters():
         if name.startswith("layers.0."):

@@ -3,6 +3,7 @@
 # logs and JSON under $OUT. Usage: bash benchmarks/run_gpu.sh STAGE[:SECONDS] ...
 # Stages: tests, kernels_tests, graphs_tests, eager, experts, experts_sweep, capture, planner, profile,
 # and for the whole step (issue 9): step_tests, whole_step, expert_breakdown, optimizer, loss, variants
+# and for the families (issue 10): families_tests, architectures
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=/tmp/mg_work; mkdir -p "$WORK"   # everything lands here; $OUT gets one archive (file limit)
@@ -36,6 +37,8 @@ for arg in "$@"; do
     step_ops) cmd="python3 benchmarks/step_ops.py --out $WORK/step_ops.json" ;;
     variants_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py" ;;
     variants) cmd="python3 benchmarks/moe_experts.py --variants --out $WORK/moe_variants.json" ;;
+    families_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_families_cuda.py" ;;
+    architectures) cmd="python3 benchmarks/architectures.py --out $WORK/architectures.json" ;;
     *) echo "unknown stage $stage"; continue ;;
   esac
   echo "=== $stage (limit ${limit}s): $cmd"

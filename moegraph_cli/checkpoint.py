@@ -1,15 +1,16 @@
-"""Checkpoint I/O: HF Qwen3-MoE safetensors on disk <-> moegraph state dicts in memory.
+"""Checkpoint I/O: HF safetensors on disk <-> moegraph state dicts in memory.
 
-This is the one place that knows HF tensor names (torchtitan's `from_hf_map` idea): the table
-from `hf_to_moegraph_names` maps each HF tensor to a moegraph name and to where in that tensor
-it goes. Experts are stacked in memory and stored one tensor per expert on disk:
+The HF tensor names are the family's (torchtitan's `from_hf_map` idea): `hf_to_moegraph_names`
+returns the family's key map (models/<family>.py), which maps each HF tensor to a moegraph name
+and to where in that tensor it goes. Experts are stacked in memory and stored one tensor per
+expert on disk, e.g. for Qwen3-MoE:
 
     model.layers.{i}.mlp.experts.{e}.gate_proj.weight [F, H] -> layers.{i}.moe.w_gate_up[e, :F]
     model.layers.{i}.mlp.experts.{e}.up_proj.weight   [F, H] -> layers.{i}.moe.w_gate_up[e, F:]
     model.layers.{i}.mlp.experts.{e}.down_proj.weight [H, F] -> layers.{i}.moe.w_down[e]
 
 Loading also accepts the fused spelling some writers use, per layer (never mixed in a layer):
-`model.layers.{i}.mlp.experts.gate_up_proj` [E, 2F, H] and `...experts.down_proj` [E, H, F].
+`model.layers.{i}.{experts}.gate_up_proj` [E, 2F, H] and `...{experts}.down_proj` [E, H, F].
 Saving always writes the per-expert spelling (what transformers 4.x and 5.x write), one file
 at a time and within a file one tensor at a time (`write_checkpoint`: the caller hands each
 tensor over as it is written, so neither a state dict nor `moegraph init`'s generator needs a
@@ -35,11 +36,12 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from safetensors import SafetensorError, safe_open  # the Rust reader alone: no torch import
 
 from .config import ModelConfig
+from .models.common.keys import Slot
 from .errors import EXIT_USAGE, CheckpointError, UsageError
 from .outputs import write_atomically
 
@@ -49,7 +51,6 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: reading headers n
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_PER_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.")
 
 # Safetensors dtype -> the torch dtype (by name) moegraph loads it as. Anything else is refused.
 LOADABLE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -79,57 +80,10 @@ _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 # -- the name table ------------------------------------------------------------------------
 
 
-class Slot(NamedTuple):
-    """Where one HF tensor lives in the moegraph state dict."""
-
-    name: str                   # moegraph state-dict name
-    index: tuple                # () the whole tensor; (e,) expert e; (e, slice) rows of expert e
-    shape: tuple[int, ...]      # the HF tensor's shape on disk
-
-
 def hf_to_moegraph_names(cfg: ModelConfig, fused_layers: Iterable[int] = ()) -> dict[str, Slot]:
-    """HF tensor name -> Slot, in save order (layer by layer). Layers in `fused_layers` use
-    the fused expert spelling; the others one tensor per expert."""
-    fused_layers = set(fused_layers)
-    H, V, E = cfg.hidden_size, cfg.vocab_size, cfg.num_experts
-    F, I, hd = cfg.moe_intermediate_size, cfg.intermediate_size, cfg.head_dim
-    q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-
-    table = {"model.embed_tokens.weight": Slot("embed_tokens.weight", (), (V, H))}
-    for i in range(cfg.num_hidden_layers):
-        hf, mg = f"model.layers.{i}.", f"layers.{i}."
-
-        def put(hf_suffix, mg_suffix, shape, index=()):
-            table[hf + hf_suffix] = Slot(mg + mg_suffix, index, shape)
-
-        put("input_layernorm.weight", "attn.input_norm.weight", (H,))
-        put("self_attn.q_proj.weight", "attn.q_proj.weight", (q_rows, H))
-        put("self_attn.k_proj.weight", "attn.k_proj.weight", (kv_rows, H))
-        put("self_attn.v_proj.weight", "attn.v_proj.weight", (kv_rows, H))
-        put("self_attn.o_proj.weight", "attn.o_proj.weight", (H, q_rows))
-        put("self_attn.q_norm.weight", "attn.q_norm.weight", (hd,))
-        put("self_attn.k_norm.weight", "attn.k_norm.weight", (hd,))
-        if cfg.is_moe_layer(i):
-            put("post_attention_layernorm.weight", "moe.post_norm.weight", (H,))
-            put("mlp.gate.weight", "moe.router.weight", (E, H))
-            if i in fused_layers:
-                put("mlp.experts.gate_up_proj", "moe.w_gate_up", (E, 2 * F, H))
-                put("mlp.experts.down_proj", "moe.w_down", (E, H, F))
-            else:
-                for e in range(E):
-                    x = f"mlp.experts.{e}."
-                    put(x + "gate_proj.weight", "moe.w_gate_up", (F, H), (e, slice(0, F)))
-                    put(x + "up_proj.weight", "moe.w_gate_up", (F, H), (e, slice(F, 2 * F)))
-                    put(x + "down_proj.weight", "moe.w_down", (H, F), (e,))
-        else:
-            put("post_attention_layernorm.weight", "mlp.post_norm.weight", (H,))
-            put("mlp.gate_proj.weight", "mlp.gate_proj.weight", (I, H))
-            put("mlp.up_proj.weight", "mlp.up_proj.weight", (I, H))
-            put("mlp.down_proj.weight", "mlp.down_proj.weight", (H, I))
-    table["model.norm.weight"] = Slot("norm.weight", (), (H,))
-    if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = Slot("lm_head.weight", (), (V, H))
-    return table
+    """HF tensor name -> Slot, in save order (layer by layer): the family's key map. Layers in
+    `fused_layers` use the fused expert spelling; the others one tensor per expert."""
+    return cfg.family.key_map(cfg, set(fused_layers))
 
 
 def moegraph_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -349,16 +303,18 @@ def _disk_tensors(root: Path, single: str | None) -> tuple[dict[str, tuple[str, 
 
 def _fused_layers(disk: Mapping[str, tuple[str, HeaderEntry]], cfg: ModelConfig) -> set[int]:
     """MoE layers stored with the fused expert spelling; a layer mixing both is an error."""
+    experts = cfg.family.experts_prefix
+    per_expert_key = re.compile(r"model\.layers\.(\d+)\." + re.escape(experts) + r"\d+\.")
     per_expert = {}
     for key in disk:
-        m = _PER_EXPERT_KEY.match(key)
+        m = per_expert_key.match(key)
         if m:
             per_expert.setdefault(int(m.group(1)), key)
     fused = set()
     for i in range(cfg.num_hidden_layers):
         if not cfg.is_moe_layer(i):
             continue
-        prefix = f"model.layers.{i}.mlp.experts."
+        prefix = f"model.layers.{i}.{experts}"
         found = [k for k in (prefix + "gate_up_proj", prefix + "down_proj") if k in disk]
         if not found:
             continue

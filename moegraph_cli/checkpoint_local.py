@@ -1,7 +1,7 @@
 """Loading an HF checkpoint into a materialised, sharded model, reading only this rank's bytes.
 
 The model may hold plain tensors, FSDP2 DTensors sharded on dim 0, and expert stacks holding only
-the experts in `expert_range`; `model.init.owned_rows` says which rows of each full tensor this
+the experts in `expert_range`; `models.common.init.owned_rows` says which rows of each full tensor this
 rank holds. `plan_load` checks the checkpoint from its headers as for a full load; then each file
 is opened once and read in offset order through `safe_open`: a dense tensor as the rows of this
 rank's chunk (`get_slice`), a fused expert tensor as `[lo:hi]`, and a per-expert tensor only if
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from .checkpoint import _config_summary, _shape_str, plan_load
 from .config import ModelConfig
 from .errors import CheckpointError
-from .model.init import is_expert_stack, owned_rows
+from .models.common.init import is_expert_stack, owned_rows
 
 
 @torch.no_grad()

@@ -4,8 +4,10 @@ A profile is a YAML file in profiles/ with three sections: `model` (HF config.js
 names), `run` (batch, seq_len, steps, dtype, seed, ...), and `moe` (dispatch mode and backend).
 `--set section.field=value` overrides any field with type checking.
 
-config.json comes in two spellings and both are read here (nowhere else):
-transformers 4.x (`num_experts`, `rope_theta`) and 5.x (`num_local_experts`, `rope_parameters`).
+`model.model_type` names the architecture family (models/<family>.py); config.json is read
+through that family, which maps its HF field names to ModelConfig's and back: both spellings
+transformers 4.x and 5.x write (`num_experts` / `num_local_experts`, `rope_theta` /
+`rope_parameters`). The rope fields, which every family spells alike, are read here.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ DEFAULT_PROFILE = "tiny-qwen3-moe"
 
 @dataclass
 class ModelConfig:
+    """Every field any family reads, under one name; a family's file (models/) says which
+    config.json fields it reads into which of these, and which it leaves at their defaults."""
+
+    model_type: str = "qwen3_moe"  # the family: models/<family>.py
     vocab_size: int = 32000
     hidden_size: int = 512
     intermediate_size: int = 1024  # dense MLP width (layers in mlp_only_layers)
@@ -48,6 +54,17 @@ class ModelConfig:
     attention_bias: bool = False
     hidden_act: str = "silu"
     initializer_range: float = 0.02
+    sliding_window: typing.Optional[int] = None  # attention window (Mixtral); None: full causal
+    clip_qkv: typing.Optional[float] = None  # clamp q/k/v projections to +-clip_qkv (OLMoE)
+    shared_expert_intermediate_size: int = 0  # an always-on expert of this width (Qwen2-MoE)
+    qkv_bias: bool = False  # biases on q/k/v only (Qwen2-MoE); attention_bias: on o too (OLMoE)
+
+    @property
+    def family(self):
+        """The architecture family (models/registry.Family) of model_type."""
+        from .models.registry import family_of
+
+        return family_of(self.model_type)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """HF rule: MoE unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
@@ -61,6 +78,12 @@ class ModelConfig:
         """Refuse a config moegraph cannot build; `prefix` starts every message ("model." for
         a profile, "DIR/config.json: " for a checkpoint)."""
         c = self
+        from .models.registry import family_of, feature_checks
+
+        try:
+            family = family_of(c.model_type, f"{prefix}model_type")
+        except UsageError as e:
+            raise _invalid("model_type", str(e)) from None
         _check_int_sizes(self, prefix)
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "moe_intermediate_size",
@@ -84,9 +107,16 @@ class ModelConfig:
              f"({c.num_experts})"),
             ("decoder_sparse_step", c.decoder_sparse_step >= 1,
              f"{prefix}decoder_sparse_step must be >= 1, got {c.decoder_sparse_step}"),
-            ("attention_bias", not c.attention_bias,
-             f"{prefix}attention_bias=true is not supported (Qwen3 has none)"),
+            ("sliding_window", c.sliding_window is None or c.sliding_window > 0,
+             f"{prefix}sliding_window must be positive or null, got {c.sliding_window}"),
+            ("clip_qkv", c.clip_qkv is None or c.clip_qkv > 0,
+             f"{prefix}clip_qkv must be positive or null, got {c.clip_qkv}"),
+            ("shared_expert_intermediate_size", c.shared_expert_intermediate_size >= 0,
+             f"{prefix}shared_expert_intermediate_size must be >= 0, got "
+             f"{c.shared_expert_intermediate_size}"),
         ]
+        checks += [(name, ok, f"{prefix}{msg}") for name, ok, msg in
+                   [*feature_checks(family, c), *family.checks(c)]]
         for name, ok, msg in checks:
             if not ok:
                 raise _invalid(name, msg)
@@ -109,15 +139,14 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise UsageError(f"{source}: expected a JSON object of config fields, got "
                              f"{kind_of(d)}")
+        from .models.registry import family_of, supported_types
+
         if "model_type" not in d:
-            raise UsageError(f"{source}: no model_type field; moegraph reads Qwen3-MoE "
-                             "checkpoints, whose config.json says \"model_type\": \"qwen3_moe\"")
-        if d["model_type"] != "qwen3_moe":
-            raise UsageError(f"{source}: model_type is {show(d['model_type'])}; moegraph reads "
-                             "'qwen3_moe' checkpoints")
+            raise UsageError(f"{source}: no model_type field; config.json names its family, "
+                             "e.g. \"model_type\": \"qwen3_moe\" (moegraph reads "
+                             + ", ".join(repr(t) for t in supported_types()) + ")")
+        family = family_of(d["model_type"], f"{source}: model_type")
         d = dict(d)
-        if "num_experts" not in d and "num_local_experts" in d:
-            d["num_experts"] = d["num_local_experts"]
         for name in ("rope_parameters", "rope_scaling"):
             if d.get(name) is not None and not isinstance(d[name], dict):
                 raise UsageError(f"{source}: {name} must be an object or null, got "
@@ -130,8 +159,7 @@ class ModelConfig:
                                  "(only 'default')")
             if "rope_theta" not in d and "rope_theta" in rope:
                 d["rope_theta"] = rope["rope_theta"]
-        if d.get("use_sliding_window"):
-            raise UsageError(f"{source}: use_sliding_window=true is not supported")
+        d = family.read_config(d, source)
         if d.get("mlp_only_layers") is None:
             d["mlp_only_layers"] = []
         if d.get("head_dim") is None:
@@ -144,21 +172,12 @@ class ModelConfig:
         kwargs = {k: _coerce(f"{source}: {k}", d[k], typ) for k, typ in types_.items() if k in d}
         if "head_dim" not in kwargs and kwargs["num_attention_heads"] > 0:
             kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+        kwargs["model_type"] = family.model_type
         return cls(**kwargs).validate(f"{source}: ").check_layer_indices(f"{source}: ")
 
     def to_hf_dict(self) -> dict:
-        """transformers 4.x spelling (as the published Qwen3-30B-A3B); 5.x reads it too."""
-        d = dataclasses.asdict(self)
-        d.update({
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "rope_scaling": None,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "attention_dropout": 0.0,
-            "output_router_logits": False,
-        })
-        return d
+        """config.json in the family's spelling (transformers 4.x's, which 5.x reads too)."""
+        return self.family.write_config(self)
 
 
 @dataclass

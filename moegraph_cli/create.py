@@ -1,9 +1,9 @@
 """`moegraph init`: write a Hugging Face-format checkpoint of seeded random weights.
 
-Streams: each tensor is generated (model/init.py `seeded_value`: a generator of its own per
+Streams: each tensor is generated (models/common/init.py `seeded_value`: a generator of its own per
 parameter and per expert) just before its bytes are written, so host memory holds one tensor
 (one expert's fp32 draw for expert weights, the whole fp32 draw for a dense one), never the
-model. The values are those of `Qwen3MoeModel.from_config` with the same seed, bit for bit.
+model. The values are those of `MoeCausalLM.from_config` with the same seed, bit for bit.
 
 Before writing: the output directory is checked (not a file, its parent exists or --mkdir, empty
 or --force) and so is the free space of its file system. On any failure, running out of host
@@ -36,7 +36,7 @@ def seeded_tensors(cfg: ModelConfig, seed: int, dtype: str) -> Callable[[str], "
     """HF tensor name -> its seeded value in `dtype`, generated on demand (CPU)."""
     import torch
 
-    from .model.init import is_expert_stack, seeded_value
+    from .models.common.init import is_expert_stack, seeded_value
 
     torch_dtype = getattr(torch, dtype)
     table = hf_to_moegraph_names(cfg)

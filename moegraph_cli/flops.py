@@ -19,7 +19,11 @@ def step_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
         p["embedding"] if cfg.tie_word_embeddings else 0)
     tokens = batch * seq_len
     dense = 6.0 * matmul_params * tokens
-    attn = 6.0 * cfg.num_hidden_layers * batch * seq_len * seq_len * \
+    # Key positions summed over queries, doubled: S^2 for causal attention (the half of S x S,
+    # times two), 2Sw - w^2 within a sliding window w < S.
+    w = cfg.sliding_window
+    pairs = seq_len * seq_len if w is None or w >= seq_len else 2 * seq_len * w - w * w
+    attn = 6.0 * cfg.num_hidden_layers * batch * pairs * \
         cfg.num_attention_heads * cfg.head_dim  # QK^T and PV, causal half, x3 for fwd+bwd
     return dense + attn
 

@@ -259,7 +259,7 @@ def calibrate_run(spec: RunSpec, device: torch.device) -> dict:
     """Measure a one-layer copy of the run's model (plan.memory.one_layer_profile): per scope
     its saved bytes, forward/backward peaks and private pools, then each pool strategy's pool
     bytes and one eager step's peak reserved. See plan/calibration.py for the file layout."""
-    from .model import Qwen3MoeModel
+    from .models import MoeCausalLM
     from .plan.memory import STRATEGIES, one_layer_profile
 
     prof = spec.profile
@@ -267,7 +267,7 @@ def calibrate_run(spec: RunSpec, device: torch.device) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     torch.manual_seed(one.run.seed)
-    model = Qwen3MoeModel.from_config(one.model, one.moe, one.run.seed, one.run.dtype, device)
+    model = MoeCausalLM.from_config(one.model, one.moe, one.run.seed, one.run.dtype, device)
     trainer = Trainer(model, one.run.lr, one.run.weight_decay)
     it = batches(one.model.vocab_size, one.run.batch, one.run.seq_len, one.run.seed, device)
     for _ in range(2):  # optimizer states, kernel compilation, library workspaces

@@ -1,4 +1,5 @@
-"""Logits parity against transformers' Qwen3MoeForCausalLM on the same weights.
+"""Logits parity against transformers' own class of the model's family (Qwen3MoeForCausalLM,
+MixtralForCausalLM, ...) on the same weights.
 
 The comparison is made in float32, whatever dtype the run trains in: fp32 copies of both
 models, moegraph's with the pure-torch expert path (the Triton kernels have their own tests
@@ -22,7 +23,7 @@ TOLERANCE = 1e-4
 
 def hf_model_from(model, dtype: torch.dtype = torch.float32):
     try:
-        from transformers import Qwen3MoeForCausalLM
+        import transformers
     except ImportError:
         raise UsageError("--reference transformers needs transformers installed "
                          "(pip install 'moegraph[test]')") from None
@@ -31,18 +32,19 @@ def hf_model_from(model, dtype: torch.dtype = torch.float32):
     with tempfile.TemporaryDirectory() as tmp:
         state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
         save_checkpoint(state, model.config, tmp)
-        hf = Qwen3MoeForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa")
+        hf_class = getattr(transformers, model.config.family.architecture)
+        hf = hf_class.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa")
     return hf.to(next(model.parameters()).device).eval()
 
 
 def fp32_reference_copy(model):
     """An fp32 copy of `model` on its device, experts on the pure-torch path."""
-    from .model import Qwen3MoeModel
+    from .models import MoeCausalLM
 
     moe = dataclasses.replace(model.moe_config, backend="reference")
     device = next(model.parameters()).device
     with torch.device("meta"):
-        copy = Qwen3MoeModel(model.config, moe)
+        copy = MoeCausalLM(model.config, moe)
     state = {k: v.detach().to(device, torch.float32, copy=True)
              for k, v in model.state_dict().items()}
     copy.load_state_dict(state, assign=True, strict=True)

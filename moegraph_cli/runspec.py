@@ -77,12 +77,12 @@ def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt
     if rt is not None:
         from .dist.model import build_sharded_model
         return build_sharded_model(spec, rt, seed)
-    from .model import Qwen3MoeModel
+    from .models import MoeCausalLM
 
     prof = spec.profile
     if spec.checkpoint is not None:
-        return Qwen3MoeModel.from_pretrained(spec.checkpoint, dtype=prof.run.dtype,
-                                             device=device, moe=prof.moe)
-    return Qwen3MoeModel.from_config(prof.model, prof.moe,
-                                     prof.run.seed if seed is None else seed,
-                                     prof.run.dtype, device)
+        return MoeCausalLM.from_pretrained(spec.checkpoint, dtype=prof.run.dtype,
+                                           device=device, moe=prof.moe)
+    return MoeCausalLM.from_config(prof.model, prof.moe,
+                                   prof.run.seed if seed is None else seed,
+                                   prof.run.dtype, device)

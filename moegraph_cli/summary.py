@@ -69,7 +69,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
 def rope_buffer_bytes(cfg: ModelConfig, seq_len: int, dtype: str) -> int:
     """The rope cos and sin tables [seq_len, head_dim] the model keeps for the run's length
-    (model/rope.py): static memory beside the parameters."""
+    (models/common/rope.py): static memory beside the parameters."""
     return 2 * seq_len * cfg.head_dim * DTYPE_BYTES[dtype]
 
 
@@ -118,6 +118,7 @@ def summarize(prof: Profile, source: str) -> dict:
         "source": source,
         "name": prof.name,
         "architecture": {
+            "model_type": cfg.model_type,
             "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
             "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
             "head_dim": cfg.head_dim, "experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
@@ -125,6 +126,9 @@ def summarize(prof: Profile, source: str) -> dict:
             "norm_topk_prob": cfg.norm_topk_prob, "mlp_only_layers": cfg.mlp_only_layers,
             "decoder_sparse_step": cfg.decoder_sparse_step, "rope_theta": cfg.rope_theta,
             "tie_word_embeddings": cfg.tie_word_embeddings,
+            "shared_expert_intermediate": cfg.shared_expert_intermediate_size,
+            "sliding_window": cfg.sliding_window, "clip_qkv": cfg.clip_qkv,
+            "qkv_bias": cfg.qkv_bias, "attention_bias": cfg.attention_bias,
         },
         "run": {"batch": prof.run.batch, "seq_len": prof.run.seq_len, "dtype": prof.run.dtype,
                 "moe_mode": prof.moe.mode, "capacity_factor": prof.moe.capacity},

@@ -4,7 +4,8 @@ With `--lr0` the learning rate is 0, so the weights never change and every step'
 be bitwise equal between the eager and the graphed model; gradients are compared element by
 element (max-abs reported). With lr > 0 the loss curves must agree within a relative
 tolerance. `--reference transformers` also compares the logits with transformers'
-Qwen3MoeForCausalLM loaded from the same weights.
+class of the model's family (Qwen3MoeForCausalLM, MixtralForCausalLM, ...) loaded from the
+same weights.
 
 On a CPU (`--set run.device=cpu`) the graphs are the emulated backend (graphs/backend.py):
 the engine's logic, not CUDA graphs.

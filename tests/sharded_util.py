@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moegraph_cli.config import ModelConfig
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 
 
 def tiny_cfg(**overrides) -> ModelConfig:
@@ -30,10 +30,10 @@ def expert_ranges(num_experts: int, world: int) -> list[tuple[int, int]]:
 
 
 def meta_model(cfg: ModelConfig, expert_range: tuple[int, int] | None = None,
-               dtype=torch.float32) -> Qwen3MoeModel:
+               dtype=torch.float32) -> MoeCausalLM:
     """The model on the meta device; with expert_range its stacks hold only those experts."""
     with torch.device("meta"):
-        model = Qwen3MoeModel(cfg).to(dtype)
+        model = MoeCausalLM(cfg).to(dtype)
         if expert_range is not None:
             lo, hi = expert_range
             for layer in model.layers:
@@ -46,7 +46,7 @@ def meta_model(cfg: ModelConfig, expert_range: tuple[int, int] | None = None,
     return model
 
 
-def fsdp_model(cfg: ModelConfig, expert_range: tuple[int, int] | None = None) -> Qwen3MoeModel:
+def fsdp_model(cfg: ModelConfig, expert_range: tuple[int, int] | None = None) -> MoeCausalLM:
     """What the multi-GPU path builds, on CPU: meta, fully_shard every layer (expert stacks
     left out) and the root over a 1-D mesh of the world, then to_empty. Values are garbage."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -17,8 +17,8 @@ import moegraph_cli.checkpoint_local as ckpt_local
 from moegraph_cli.checkpoint import SINGLE_FILE, save_checkpoint
 from moegraph_cli.checkpoint_local import load_local_
 from moegraph_cli.errors import CheckpointError
-from moegraph_cli.model import Qwen3MoeModel
-from moegraph_cli.model.init import is_expert_stack
+from moegraph_cli.models import MoeCausalLM
+from moegraph_cli.models.common.init import is_expert_stack
 
 LAYOUTS = ["single", "sharded", "fused"]
 
@@ -32,7 +32,7 @@ def write_checkpoint(root: Path, layout: str) -> Path:
     at most 4 KiB (about 20 files); or one file with layer 0's experts in the fused spelling
     (layer 2 keeps the per-expert one)."""
     cfg, path = tiny_cfg(), root / layout
-    state = Qwen3MoeModel.from_config(cfg, seed=7, dtype=torch.float32).state_dict()
+    state = MoeCausalLM.from_config(cfg, seed=7, dtype=torch.float32).state_dict()
     save_checkpoint(state, cfg, path, max_shard_bytes=4096 if layout == "sharded" else None)
     if layout == "fused":
         with safe_open(path / SINGLE_FILE, framework="pt") as f:
@@ -97,7 +97,7 @@ def expert_of(key: str) -> int | None:
 def test_local_experts_hold_the_full_loads_slice_and_read_only_theirs(checkpoints, layout,
                                                                       monkeypatch):
     cfg, path, (lo, hi) = tiny_cfg(), checkpoints[layout], (2, 6)
-    full = dict(Qwen3MoeModel.from_pretrained(path, dtype=torch.float32).named_parameters())
+    full = dict(MoeCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
     log = ReadLog()
     monkeypatch.setattr(ckpt_local, "safe_open", log.safe_open)
     local = meta_model(cfg, (lo, hi)).to_empty(device="cpu")
@@ -128,7 +128,7 @@ def test_local_experts_hold_the_full_loads_slice_and_read_only_theirs(checkpoint
 
 def test_loading_casts_to_the_parameters_dtype(checkpoints):
     cfg, path = tiny_cfg(), checkpoints["single"]
-    full = dict(Qwen3MoeModel.from_pretrained(path, dtype=torch.bfloat16).named_parameters())
+    full = dict(MoeCausalLM.from_pretrained(path, dtype=torch.bfloat16).named_parameters())
     local = meta_model(cfg, (6, 8), dtype=torch.bfloat16).to_empty(device="cpu")
     load_local_(local, path, cfg, expert_range=(6, 8))
     for name, p in local.named_parameters():
@@ -173,7 +173,7 @@ def _fsdp_load_equals_full_load(rank: int, world: int, paths: list[str]) -> None
         assert isinstance(embed, DTensor)
         rows = embed.to_local().shape[0]
         got = gathered(model)  # collective: before any assert that could end one rank early
-        full = dict(Qwen3MoeModel.from_pretrained(path, dtype=torch.float32).named_parameters())
+        full = dict(MoeCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
         for name, p in got.items():
             want = full[name][lo:hi] if is_expert_stack(name) else full[name]
             assert p.shape == want.shape and torch.equal(bits(p), bits(want)), (rank, path, name)

@@ -19,7 +19,7 @@ from moegraph_cli import create as create_mod
 from moegraph_cli.checkpoint import load_state_dict, save_checkpoint
 from moegraph_cli.config import profile_names
 from moegraph_cli.create import create_checkpoint
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.outputs import file_mode, write_atomically
 from moegraph_cli.runspec import resolve
 from moegraph_cli.units import fmt_bytes, parse_bytes
@@ -189,18 +189,18 @@ def test_checkpoint_files_have_the_mode_of_config_json(tmp_path, umask):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_streamed_init_is_bitwise_from_config(tmp_path, dtype, monkeypatch):
     """One tensor at a time, never the model, and the very bytes save_checkpoint writes for
-    Qwen3MoeModel.from_config with the same seed, sharded into several files."""
+    MoeCausalLM.from_config with the same seed, sharded into several files."""
     spec = resolve("tiny-qwen3-moe", None, TINY + [
         f"run.dtype={dtype}", "model.num_hidden_layers=3", "model.mlp_only_layers=[1]"])
     prof = spec.profile
-    model = Qwen3MoeModel.from_config(prof.model, prof.moe, 11, prof.run.dtype, "cpu")
+    model = MoeCausalLM.from_config(prof.model, prof.moe, 11, prof.run.dtype, "cpu")
     save_checkpoint(model.state_dict(), prof.model, tmp_path / "whole", max_shard_bytes=30_000)
 
     def no_model(*args, **kwargs):
         raise AssertionError("init built the model")
 
-    monkeypatch.setattr(Qwen3MoeModel, "from_config", no_model)
-    monkeypatch.setattr(Qwen3MoeModel, "__init__", no_model)
+    monkeypatch.setattr(MoeCausalLM, "from_config", no_model)
+    monkeypatch.setattr(MoeCausalLM, "__init__", no_model)
     result = create_checkpoint(spec, tmp_path / "streamed", seed=11, max_shard_bytes=30_000)
     whole = sorted((tmp_path / "whole").iterdir())
     streamed = sorted((tmp_path / "streamed").iterdir())

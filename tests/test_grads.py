@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moegraph_cli import grads
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.train import allocate_grads, batches
 
 SMALL = ["model.vocab_size=96", "model.hidden_size=32", "model.num_attention_heads=4",
@@ -20,8 +20,8 @@ SMALL = ["model.vocab_size=96", "model.hidden_size=32", "model.num_attention_hea
 
 
 def _model(extra=()):
-    return Qwen3MoeModel.from_profile("tiny-qwen3-moe", dtype=torch.float32,
-                                      overrides=SMALL + list(extra))
+    return MoeCausalLM.from_profile("tiny-qwen3-moe", dtype=torch.float32,
+                                    overrides=SMALL + list(extra))
 
 
 def _reference_grads(model, ids):
@@ -45,6 +45,24 @@ def _sinks(model, fill=math.nan):
                                    ["moe.mode=capacity", "moe.capacity_factor=0.5"]])
 def test_write_mode_overwrites_poisoned_grads_with_autograds(extra):
     model = _model(extra)
+    ids = next(batches(96, 2, 12, 0, "cpu"))
+    want = _reference_grads(model, ids)
+    _sinks(model)
+    with grads.backward_pass(accumulate=False):
+        model(ids, labels=ids).loss.backward()
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p.grad).all(), n
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("profile,extra", [
+    ("tiny-mixtral", ["model.sliding_window=4"]),
+    ("tiny-olmoe", ["model.attention_bias=true", "model.clip_qkv=0.5"]),
+    ("tiny-qwen2-moe", ["model.shared_expert_intermediate_size=24", "model.mlp_only_layers=[0]"]),
+])
+def test_write_mode_for_every_family(profile, extra):
+    """Biases, q/k norms over the projection and the shared expert write their grads too."""
+    model = MoeCausalLM.from_profile(profile, dtype=torch.float32, overrides=SMALL + extra)
     ids = next(batches(96, 2, 12, 0, "cpu"))
     want = _reference_grads(model, ids)
     _sinks(model)
@@ -102,7 +120,7 @@ def test_micro_batches_equal_one_batch():
 def test_non_sink_parameters_keep_autograds_contract():
     w = torch.nn.Parameter(torch.randn(3, 4))
     x = torch.randn(5, 4, requires_grad=True)
-    from moegraph_cli.model.linear import linear
+    from moegraph_cli.models.common.linear import linear
     linear(x, w).sum().backward()
     torch.testing.assert_close(w.grad, torch.ones(5, 3).t() @ x.detach())
     grads.sink(w)

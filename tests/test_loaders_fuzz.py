@@ -148,11 +148,14 @@ def test_profile_loader(data):
     refuses_cleanly(lambda: load_profile(str(path)))
 
 
+@pytest.mark.parametrize("profile", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe",
+                                     "tiny-qwen2-moe"])
 @FUZZ
-@given(st.data())
-def test_config_json_loader(data):
+@given(data=st.data())
+def test_config_json_loader(profile, data):
+    """Each family's config.json (its own spelling), mutated."""
     path = fresh("config.json")
-    path.write_bytes(data.draw(document_bytes(ModelConfig().to_hf_dict())))
+    path.write_bytes(data.draw(document_bytes(load_profile(profile).model.to_hf_dict())))
     refuses_cleanly(lambda: read_hf_config(path.parent))
 
 

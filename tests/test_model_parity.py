@@ -6,7 +6,7 @@ import torch
 from typer.testing import CliRunner
 
 from moegraph_cli.app import app
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,7 +29,7 @@ def test_init_checkpoint_matches_transformers(tmp_path, variant):
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     if "sharded" in variant:
         assert "model.safetensors.index.json" in files and len(files) > 3
-    ours = Qwen3MoeModel.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    ours = MoeCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
     theirs = transformers.Qwen3MoeForCausalLM.from_pretrained(
         tmp_path / "ckpt", dtype=torch.float32, attn_implementation="sdpa").eval()
     if "dense" in variant:
@@ -46,9 +46,9 @@ def test_init_checkpoint_matches_transformers(tmp_path, variant):
 
 
 def test_from_profile_is_seeded():
-    a = Qwen3MoeModel.from_profile("tiny-qwen3-moe", seed=3, overrides=["model.vocab_size=64"])
-    b = Qwen3MoeModel.from_profile("tiny-qwen3-moe", seed=3, overrides=["model.vocab_size=64"])
-    c = Qwen3MoeModel.from_profile("tiny-qwen3-moe", seed=4, overrides=["model.vocab_size=64"])
+    a = MoeCausalLM.from_profile("tiny-qwen3-moe", seed=3, overrides=["model.vocab_size=64"])
+    b = MoeCausalLM.from_profile("tiny-qwen3-moe", seed=3, overrides=["model.vocab_size=64"])
+    c = MoeCausalLM.from_profile("tiny-qwen3-moe", seed=4, overrides=["model.vocab_size=64"])
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["layers.0.moe.w_gate_up"], sc["layers.0.moe.w_gate_up"])

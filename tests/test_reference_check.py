@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.reference_check import logits_parity
 
 pytest.importorskip("transformers")
@@ -12,9 +12,12 @@ SMALL = ["model.vocab_size=128", "model.hidden_size=64", "model.num_attention_he
          "model.num_key_value_heads=2", "model.head_dim=16", "model.moe_intermediate_size=32"]
 
 
+@pytest.mark.parametrize("profile", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe",
+                                     "tiny-qwen2-moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_parity_is_checked_in_fp32(dtype):
-    model = Qwen3MoeModel.from_profile("tiny-qwen3-moe", dtype=dtype, overrides=SMALL)
+def test_parity_is_checked_in_fp32(dtype, profile):
+    """Against the family's own transformers class."""
+    model = MoeCausalLM.from_profile(profile, dtype=dtype, overrides=SMALL)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     r = logits_parity(model, ids)
     assert r["compared_in"] == "float32" and r["passed"], r
@@ -23,7 +26,7 @@ def test_parity_is_checked_in_fp32(dtype):
 
 
 def test_a_wrong_weight_is_caught():
-    model = Qwen3MoeModel.from_profile("tiny-qwen3-moe", dtype=torch.float32, overrides=SMALL)
+    model = MoeCausalLM.from_profile("tiny-qwen3-moe", dtype=torch.float32, overrides=SMALL)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     from moegraph_cli import reference_check
 

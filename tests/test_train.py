@@ -1,6 +1,6 @@
 import torch
 
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.train import batches, train
 
 SMALL = ["model.vocab_size=256", "model.hidden_size=64", "model.num_attention_heads=4",
@@ -8,14 +8,14 @@ SMALL = ["model.vocab_size=256", "model.hidden_size=64", "model.num_attention_he
 
 
 def test_thirty_steps_on_a_fixed_batch_bring_the_loss_down():
-    model = Qwen3MoeModel.from_profile("tiny-qwen3-moe", dtype=torch.float32, overrides=SMALL)
+    model = MoeCausalLM.from_profile("tiny-qwen3-moe", dtype=torch.float32, overrides=SMALL)
     it = batches(256, 2, 32, seed=0, device="cpu", fixed=True)
     losses = train(model, it, steps=30, lr=3e-3)
     assert losses[-1] < 0.5 * losses[0], losses
 
 
 def test_lr0_leaves_every_parameter_bit_identical():
-    model = Qwen3MoeModel.from_profile("tiny-qwen3-moe", dtype=torch.bfloat16, overrides=SMALL)
+    model = MoeCausalLM.from_profile("tiny-qwen3-moe", dtype=torch.bfloat16, overrides=SMALL)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     losses = train(model, batches(256, 2, 32, seed=0, device="cpu"), steps=3, lr=0.0)
     assert all(l == l for l in losses)

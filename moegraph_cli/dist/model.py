@@ -3,9 +3,10 @@ materialised (seeded, or read from a checkpoint slice by slice).
 
 - Experts: the EP rank's `num_experts / ep` experts, plain tensors at stable addresses (graphs
   read them in place); replicated over the `dp` mesh dim when ep < world.
-- Everything else (embedding, attention, norms, router, lm head, dense MLP layers): FSDP2
-  `fully_shard`, one unit per decoder layer plus the root, over all ranks. Parameters in the
-  run dtype; gradients reduce-scattered in fp32 (MixedPrecisionPolicy.reduce_dtype).
+- Everything else (embedding, attention, norms, router, shared expert, lm head, dense MLP
+  layers): FSDP2 `fully_shard`, one unit per decoder layer plus the root, over all ranks.
+  Parameters in the run dtype; gradients reduce-scattered in fp32
+  (MixedPrecisionPolicy.reduce_dtype).
 - Gradients are summed across ranks, not averaged (gradient divide factor 1): the trainer
   scales each rank's loss by 1/world instead, which makes the dense gradients (summed by
   FSDP2) and the expert gradients (summed by the all-to-all backward) the gradient of the
@@ -21,8 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint_local import load_local_
 from ..config import read_hf_config
-from ..model import DTYPES, Qwen3MoeModel
-from ..model.init import is_expert_stack, seeded_init_
+from ..models import DTYPES, MoeCausalLM
+from ..models.common.init import is_expert_stack, seeded_init_
 from ..runspec import RunSpec
 from .runtime import Runtime
 
@@ -69,12 +70,12 @@ def _set_sum_reduction(module) -> None:
         force_sum(True)
 
 
-def build_sharded_model(spec: RunSpec, rt: Runtime, seed: int | None = None) -> Qwen3MoeModel:
+def build_sharded_model(spec: RunSpec, rt: Runtime, seed: int | None = None) -> MoeCausalLM:
     prof = spec.profile
     cfg = read_hf_config(spec.checkpoint) if spec.checkpoint is not None else prof.model
     dtype = DTYPES[prof.run.dtype]
     with torch.device("meta"):
-        model = Qwen3MoeModel(cfg, prof.moe, ep=rt.ep).to(dtype)
+        model = MoeCausalLM(cfg, prof.moe, ep=rt.ep).to(dtype)
     experts = set(expert_parameters(model))
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     units = []

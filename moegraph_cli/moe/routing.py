@@ -1,7 +1,8 @@
-"""Router (HF Qwen3-MoE semantics), the load-balancing statistics, and capacity selection.
+"""Router (HF semantics), the load-balancing statistics, and capacity selection.
 
 Router: logits in the model dtype -> fp32 softmax -> top-k -> optional renormalisation ->
-weights cast back to the model dtype (exactly as transformers' Qwen3MoeTopKRouter).
+weights cast back to the model dtype (exactly as transformers' Qwen3MoeTopKRouter, and the
+Mixtral (always renormalised), OLMoE and Qwen2-MoE routers, which compute the same).
 
 Aux loss: transformers pools all MoE layers before normalising
 (`load_balancing_loss_func`): aux = E * sum_e (N_e / (L*T)) * (P_e / (L*T)), N_e the top-k

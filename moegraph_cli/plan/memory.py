@@ -7,6 +7,10 @@ nh / nkv heads, D head_dim, Q = nh*D, KV = nkv*D, E experts, k top-k, F moe_inte
 I dense intermediate, S expert slots (dropless (cdiv(T*k, BM) + E)*BM, capacity
 E*round_up(C, BM), BM the slot block), N = T*k routes.
 
+Parameters come from the family's key map (summary.layer_shapes), so biases, q/k norms and a
+shared expert are counted wherever a family has them; the attention variants (clip_qkv,
+sliding window) and a shared expert add their activations below.
+
 Per scope (one of attn, moe, mlp) the model counts, in bytes:
 - saved: tensors autograd keeps from forward to backward (parameters and the rope tables
   excluded; the scope's input is excluded too and flagged by `saves_input`, which holds in
@@ -435,11 +439,18 @@ def attn_memory(prof: Profile) -> ScopeMemory:
     c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
     H, D, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     Q = nh * D
+    shapes = layer_shapes(c, 0)
     saved = (rms_saved(T, H, b, True) + b * T * H  # input norm; its output y (q/k/v input)
-             + rms_saved(T * nh, D, b, False)  # q norm (over q_proj's output)
-             + rms_saved(T * nkv, D, b, False)  # k norm
              + 4 * b * T * Q  # SDPA's q, k and v (GQA-expanded to nh heads) and its output
              + 4 * T * nh)  # SDPA's logsumexp
+    for name, heads in (("attn.q_norm.weight", nh), ("attn.k_norm.weight", nkv)):
+        if name in shapes:  # the family's q/k norm: per head ([D]) or over the projection
+            width = shapes[name][0]
+            saved += rms_saved(T * heads * D // width, width, b, False)
+    if c.clip_qkv is not None:  # each clamp keeps its input
+        saved += b * T * (Q + 2 * nkv * D)
+    if c.sliding_window is not None and prof.run.seq_len > c.sliding_window:
+        saved += b * prof.run.seq_len ** 2  # SDPA keeps the window as an additive [S, S] mask
     params = _param_bytes(prof, 0, "attn.")
     wide = max(H, Q)
     fwd = (4 + b) * T * wide  # rms_norm's fp32 temporaries next to the projection output
@@ -484,8 +495,23 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         dp_part = 4 * S * max(1, F // 128)
         bwd = (b * T * H + params + b * S * 2 * F  # dx, all grads, dY1
                + max(b * S * F + dp_part, b * S * H) + b * T * H + 4 * T * E)
-    return ScopeMemory("moe", saved, b * T * H + 8 * E, b * T * H, fwd, bwd, params,
-                       saves_input=b == 4)
+    shared = shared_expert_memory(prof)
+    return ScopeMemory("moe", saved + shared[0], b * T * H + 8 * E, b * T * H, fwd + shared[1],
+                       bwd + shared[2], params, saves_input=b == 4)
+
+
+def shared_expert_memory(prof: Profile) -> tuple[int, int, int]:
+    """(saved, fwd, bwd) a moe scope adds for a shared expert of width Sh (0 without one):
+    gate, silu(gate), up and their product [T, Sh]; sigmoid(gate logit) [T, 1] and the shared
+    output [T, H] (the scaling multiply's operands). Its input is x_TH, saved already. Forward:
+    the sum with the routed output [T, H]; backward: the [T, Sh] gradients and dx [T, H]
+    (its weight gradients are in the scope's parameter bytes)."""
+    c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    width, H = c.shared_expert_intermediate_size, c.hidden_size
+    if width == 0:
+        return 0, 0, 0
+    saved = 4 * b * T * width + b * T * H + b * T
+    return saved, b * T * H + b * T * width, 3 * b * T * width + 2 * b * T * H
 
 
 def mlp_memory(prof: Profile) -> ScopeMemory:

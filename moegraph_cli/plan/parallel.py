@@ -42,7 +42,7 @@ from ..checkpoint import moegraph_shapes
 from ..config import Profile
 from ..summary import DTYPE_BYTES, layer_shapes
 from .memory import (ScopeMemory, _first_moe_layer, _param_bytes, expert_slots, loss_moments,
-                     rms_saved, route_block)
+                     rms_saved, route_block, shared_expert_memory)
 
 EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down")
 
@@ -324,6 +324,7 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
                        + max(b * S * F + dp_part, b * S * H + b * R * H)  # act | dx_S, dx_R
                        + 4 * S + (4 + b) * NR)  # the weights' grads
         bwd = b * T * H + params + max(experts_bwd, combine + 2 * b * NR) + 4 * T * E
-    return ScopeMemory("moe", saved, b * T * H + 8 * E, b * T * H, fwd, bwd, params,
-                       saves_input=b == 4)
+    shared = shared_expert_memory(prof)
+    return ScopeMemory("moe", saved + shared[0], b * T * H + 8 * E, b * T * H, fwd + shared[1],
+                       bwd + shared[2], params, saves_input=b == 4)
 

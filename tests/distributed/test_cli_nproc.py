@@ -39,6 +39,24 @@ def test_verify_against_single_process_fp32(nproc, ep):
     assert all(row["bitwise_equal"] for row in doc["ranks"])
 
 
+@pytest.mark.parametrize("profile,extra", [
+    ("tiny-mixtral", ["--set", "model.sliding_window=16"]),
+    ("tiny-olmoe", ["--set", "model.clip_qkv=0.5"]),
+    ("tiny-qwen2-moe", ["--set", "model.mlp_only_layers=[0]", "--set",
+                        "model.num_hidden_layers=3"]),
+])
+def test_verify_each_family_against_single_process(profile, extra):
+    """FSDP2 over the family's dense parameters (biases, q/k norms over the projection, a
+    shared expert) and EP over its experts: the same losses as one process."""
+    r = _moegraph("verify", "-p", profile, "--nproc", "2", "--ep", "2", "--reference",
+                  "single", "--no-lr0", "--steps", "2", "--tolerance", "1e-5", "--json",
+                  *CPU, *extra)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["passed"] and doc["reference"]["max_rel"] <= 1e-5
+    assert all(row["bitwise_equal"] for row in doc["ranks"])
+
+
 @pytest.mark.parametrize("args,message", [
     (["--nproc", "2", "--ep", "3"], "--ep 3 does not divide the world size 2"),
     (["--nproc", "4", "--ep", "4", "--set", "model.num_experts=6"],

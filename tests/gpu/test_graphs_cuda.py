@@ -7,7 +7,7 @@ import torch
 from moegraph_cli.capture import capture_command
 from moegraph_cli.graphs import GraphSession
 from moegraph_cli.harness import GraphTrainer, capture_into, peaks, reset_peaks, scope_specs
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.runspec import resolve
 from moegraph_cli.train import batches
 from moegraph_cli.verify import verify_command
@@ -47,7 +47,7 @@ def test_steady_state_capture_has_no_fallback_and_is_faster():
 
 
 def _tiny(device="cuda"):
-    return Qwen3MoeModel.from_profile("tiny-qwen3-moe", device=device)
+    return MoeCausalLM.from_profile("tiny-qwen3-moe", device=device)
 
 
 @pytest.mark.parametrize("strategy", ["per_entry", "shared"])

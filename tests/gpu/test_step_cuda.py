@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moegraph_cli.harness import GraphTrainer, capture_into, step_graph
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.train import batches
 
 pytestmark = pytest.mark.cuda
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_whole_step_graph_matches_eager_bitwise(grad_accum):
-    models = [Qwen3MoeModel.from_profile("tiny-qwen3-moe", device="cuda") for _ in range(2)]
+    models = [MoeCausalLM.from_profile("tiny-qwen3-moe", device="cuda") for _ in range(2)]
     te = GraphTrainer(models[0], lr=1e-4, grad_accum=grad_accum)
     tg = GraphTrainer(models[1], lr=1e-4, grad_accum=grad_accum)
     graph = step_graph(tg)

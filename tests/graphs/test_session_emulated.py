@@ -7,7 +7,7 @@ import torch
 from moegraph_cli.graphs import GraphSession
 from moegraph_cli.graphs.backend import EmulatedGraphs
 from moegraph_cli.harness import GraphTrainer, scope_specs
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.train import batches
 
 SMALL = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",
@@ -16,8 +16,8 @@ SMALL = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_he
 
 
 def _model(extra=()):
-    return Qwen3MoeModel.from_profile("tiny-qwen3-moe", dtype=torch.float32,
-                                      overrides=SMALL + list(extra))
+    return MoeCausalLM.from_profile("tiny-qwen3-moe", dtype=torch.float32,
+                                    overrides=SMALL + list(extra))
 
 
 def _session(model, scopes=("attn", "moe"), strategy="shared", seq=16):

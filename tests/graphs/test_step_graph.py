@@ -10,7 +10,7 @@ from moegraph_cli.errors import NotCapturableError
 from moegraph_cli.graphs import GraphSession
 from moegraph_cli.graphs.backend import EmulatedGraphs
 from moegraph_cli.harness import GraphTrainer, capture_into, scope_specs, step_graph
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.train import batches
 
 from test_session_emulated import SMALL as SMALL3  # noqa: E402 - tests/graphs is on sys.path
@@ -20,8 +20,8 @@ SMALL = [o for o in SMALL3 if not o.startswith("model.num_hidden_layers")] + \
 
 
 def _model(extra=()):
-    return Qwen3MoeModel.from_profile("tiny-qwen3-moe", dtype=torch.float32,
-                                      overrides=SMALL + list(extra))
+    return MoeCausalLM.from_profile("tiny-qwen3-moe", dtype=torch.float32,
+                                    overrides=SMALL + list(extra))
 
 
 def _step_trainer(lr, grad_accum=1, extra=()):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moegraph_cli.config import load_profile
-from moegraph_cli.model import Qwen3MoeModel
+from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.plan.memory import (MEDIUM_SEGMENT, MEDIUM_SEGMENTS_PER_POOL, ScopeMemory, StepModel, attn_memory, expert_slots,
                                       moe_memory, route_block, scope_refs, step_model)
 
@@ -90,7 +90,7 @@ def measure_saved(prof) -> dict[str, tuple[int, bool]]:
     tensors are held weakly: a node nothing differentiable reaches is freed with what it
     saved, and its address may be reused, so liveness is checked at the end."""
     torch.manual_seed(0)
-    model = Qwen3MoeModel.from_config(prof.model, prof.moe, 0, prof.run.dtype, "cpu")
+    model = MoeCausalLM.from_config(prof.model, prof.moe, 0, prof.run.dtype, "cpu")
     ids = torch.randint(0, prof.model.vocab_size, (prof.run.batch, prof.run.seq_len))
     model.rope_tables(prof.run.seq_len, next(model.parameters()).dtype, "cpu")
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -154,6 +154,29 @@ def test_saved_formula_matches_saved_tensors_hooks(dtype, mode):
         assert input_saved == formula.saves_input, ref.name
     # Sanity of the comparison itself: scopes really differ, so a wrong kind would fail.
     assert len({measured[r.name][0] for r in scope_refs(prof)}) == 3
+
+
+FAMILY_CASES = {  # each family's tiny profile with the settings that change what is saved
+    "tiny-mixtral": ["model.sliding_window=16"],
+    "tiny-olmoe": ["model.clip_qkv=0.5", "model.attention_bias=true"],
+    "tiny-qwen2-moe": ["model.mlp_only_layers=[1]"],
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("profile", list(FAMILY_CASES))
+def test_saved_formula_of_each_family(profile, dtype):
+    """The families' attention variants (no q/k norm, q/k norm over the projection, clamped
+    q/k/v, a sliding window) and the shared expert, against autograd's saved tensors."""
+    prof = load_profile(profile, [f"run.dtype={dtype}", "run.seq_len=64", "run.batch=2",
+                                  "moe.backend=reference", "model.num_hidden_layers=3",
+                                  *FAMILY_CASES[profile]])
+    measured = measure_saved(prof)
+    model = step_model(prof, device_type="cpu")
+    for ref in scope_refs(prof):
+        got, input_saved = measured[ref.name]
+        assert got == model.kinds[ref.kind].saved, (ref.name, got)
+        assert input_saved == model.kinds[ref.kind].saves_input, ref.name
 
 
 @pytest.mark.parametrize("mode", ["dropless", "capacity"])

@@ -98,8 +98,6 @@ def _rank_checks(rank, world):
     from sharded_util import expert_ranges, fsdp_model, tiny_cfg
 
     from moegraph_cli.dist.model import is_sharded
-    from moegraph_cli.model.ffn import MoeScope
-    from moegraph_cli.moe.ep import EpGroup
 
     # 1. FSDP2's padded shard storage on this rank = the plan's rank-0 dense shard
     cfg = tiny_cfg()
@@ -114,11 +112,21 @@ def _rank_checks(rank, world):
     prof = dataclasses.replace(load_profile("tiny-qwen3-moe"), model=cfg)
     assert padded == static_per_rank(prof, Parallel(world, world))[1]["dense_params_per_rank"]
 
-    # 2. the EP moe scope (permute-free, Triton interpreter, bf16): what autograd keeps
-    prof = load_profile("tiny-qwen3-moe", [
+    # 2. the EP moe scope (permute-free, Triton interpreter, bf16): what autograd keeps;
+    # Qwen2-MoE's with its shared expert (dense, on the rank's own tokens) too
+    for name, extra in [("tiny-qwen3-moe", []),
+                        ("tiny-qwen2-moe", ["model.shared_expert_intermediate_size=48"])]:
+        _ep_scope_saved(rank, world, name, extra)
+
+
+def _ep_scope_saved(rank, world, name, extra):
+    from moegraph_cli.models.common.ffn import MoeScope
+    from moegraph_cli.moe.ep import EpGroup
+
+    prof = load_profile(name, [
         "run.dtype=bfloat16", "run.seq_len=32", "run.batch=1", "moe.backend=permute_free",
         "model.hidden_size=64", "model.moe_intermediate_size=32", "model.num_hidden_layers=1",
-        "model.vocab_size=128"])
+        "model.vocab_size=128", *extra])
     ep = EpGroup(dist.group.WORLD, world, rank, prof.model.num_experts)
     torch.manual_seed(rank)
     scope = MoeScope(prof.model, prof.moe, ep).to(torch.bfloat16)

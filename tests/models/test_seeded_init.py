@@ -10,8 +10,8 @@ import torch
 from gloo_util import run_gloo
 from sharded_util import expert_ranges, fsdp_model, gathered, meta_model, tiny_cfg
 
-from moegraph_cli.model import Qwen3MoeModel
-from moegraph_cli.model.init import is_expert_stack, seeded_init_
+from moegraph_cli.models import MoeCausalLM
+from moegraph_cli.models.common.init import is_expert_stack, seeded_init_
 
 STD = 0.02
 
@@ -26,9 +26,9 @@ def params(model) -> dict[str, torch.Tensor]:
 
 def test_same_seed_same_weights_other_seed_other_weights_norms_one():
     cfg = tiny_cfg()
-    a = params(Qwen3MoeModel.from_config(cfg, seed=3, dtype=torch.float32))
-    b = params(Qwen3MoeModel.from_config(cfg, seed=3, dtype=torch.float32))
-    c = params(Qwen3MoeModel.from_config(cfg, seed=4, dtype=torch.float32))
+    a = params(MoeCausalLM.from_config(cfg, seed=3, dtype=torch.float32))
+    b = params(MoeCausalLM.from_config(cfg, seed=3, dtype=torch.float32))
+    c = params(MoeCausalLM.from_config(cfg, seed=4, dtype=torch.float32))
     norms = [n for n in a if n.endswith("norm.weight")]
     assert len(norms) == 1 + 4 * cfg.num_hidden_layers  # final; input, q, k, post per layer
     for name in a:
@@ -43,7 +43,7 @@ def test_same_seed_same_weights_other_seed_other_weights_norms_one():
 def test_a_parameter_draws_from_its_own_documented_generator():
     """embed_tokens.weight is N(0, std) from sha256('{seed}/embed_tokens.weight'), and expert e
     of a stack from sha256('{seed}/{name}/{e}'): reproducible outside moegraph."""
-    model = params(Qwen3MoeModel.from_config(tiny_cfg(), seed=11, dtype=torch.float32))
+    model = params(MoeCausalLM.from_config(tiny_cfg(), seed=11, dtype=torch.float32))
 
     def drawn(shape, key: str) -> torch.Tensor:
         seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & (2**63 - 1)
@@ -58,10 +58,10 @@ def test_a_parameter_draws_from_its_own_documented_generator():
 
 def test_values_do_not_depend_on_the_other_parameters():
     """Making layer 0 dense and tying the head leaves every parameter both models have as is."""
-    a = params(Qwen3MoeModel.from_config(tiny_cfg(), seed=5, dtype=torch.float32))
-    b = params(Qwen3MoeModel.from_config(tiny_cfg(mlp_only_layers=[0, 1],
-                                                  tie_word_embeddings=True),
-                                         seed=5, dtype=torch.float32))
+    a = params(MoeCausalLM.from_config(tiny_cfg(), seed=5, dtype=torch.float32))
+    b = params(MoeCausalLM.from_config(tiny_cfg(mlp_only_layers=[0, 1],
+                                                tie_word_embeddings=True),
+                                       seed=5, dtype=torch.float32))
     shared = set(a) & set(b)
     assert "layers.2.moe.w_gate_up" in shared and "lm_head.weight" not in shared
     assert "layers.0.moe.w_gate_up" in a and "layers.0.mlp.up_proj.weight" in b
@@ -71,8 +71,8 @@ def test_values_do_not_depend_on_the_other_parameters():
 
 def test_bf16_is_the_rounded_fp32_model():
     cfg = tiny_cfg()
-    fp32 = params(Qwen3MoeModel.from_config(cfg, seed=2, dtype=torch.float32))
-    bf16 = params(Qwen3MoeModel.from_config(cfg, seed=2, dtype=torch.bfloat16))
+    fp32 = params(MoeCausalLM.from_config(cfg, seed=2, dtype=torch.float32))
+    bf16 = params(MoeCausalLM.from_config(cfg, seed=2, dtype=torch.bfloat16))
     for name, p in bf16.items():
         assert p.dtype == torch.bfloat16, name
         assert torch.equal(bits(p), bits(fp32[name].to(torch.bfloat16))), name
@@ -81,7 +81,7 @@ def test_bf16_is_the_rounded_fp32_model():
 @pytest.mark.parametrize("expert_range", [(2, 6), (0, 1), (7, 8)])
 def test_local_experts_are_the_full_models_slice(expert_range):
     cfg = tiny_cfg()
-    full = params(Qwen3MoeModel.from_config(cfg, seed=9, dtype=torch.float32))
+    full = params(MoeCausalLM.from_config(cfg, seed=9, dtype=torch.float32))
     local = meta_model(cfg, expert_range).to_empty(device="cpu")
     seeded_init_(local, 9, cfg.initializer_range, expert_range=expert_range)
     lo, hi = expert_range
@@ -110,7 +110,7 @@ def _fsdp_init_equals_full_model(rank: int, world: int, seed: int) -> None:
     sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
     local_rows = {n: p.to_local().shape[0] for n, p in model.named_parameters() if n in sharded}
     got = gathered(model)  # collective: before any assert
-    full = params(Qwen3MoeModel.from_config(cfg, seed=seed, dtype=torch.float32))
+    full = params(MoeCausalLM.from_config(cfg, seed=seed, dtype=torch.float32))
     assert sharded == {n for n in full if not is_expert_stack(n)}
     if world == 3:  # the uneven chunks the config is built for, as FSDP2 laid them out
         assert local_rows["embed_tokens.weight"] == [23, 23, 21][rank]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import grads
+from ... import grads
 
 
 class _Linear(torch.autograd.Function):

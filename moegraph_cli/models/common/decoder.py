@@ -1,8 +1,9 @@
-"""Qwen3-MoE decoder with transformers' `Qwen3MoeForCausalLM` semantics.
+"""The decoder-only MoE language model every family shares; the family builds its layers.
 
-Layer i: `h = attn(x)` (input norm + attention + residual) then `y = ffn(h)` (post norm +
-MoE or dense MLP + residual). `layers[i].attn` and `layers[i].ffn` are the graphable scopes;
-everything else (embedding, final norm, lm head, loss) stays eager.
+Layer i (built by `cfg.family.decoder_layer`): `h = attn(x)` (input norm + attention +
+residual) then `y = ffn(h)` (post norm + MoE or dense MLP + residual). `layers[i].attn` and
+`layers[i].ffn` are the graphable scopes; everything else (embedding, final norm, lm head,
+loss) stays eager, and is the same for every family.
 
 Loss: next-token cross-entropy in fp32 over labels shifted by one (as HF's ForCausalLMLoss;
 computed by loss.linear_cross_entropy without materialising fp32 logits),
@@ -19,12 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import grads
-from ..config import ModelConfig, MoeConfig, load_profile, read_hf_config
-from ..moe.routing import aux_loss_from_stats
-from .attention import AttentionScope
-from .ffn import DenseMlpScope, MoeScope
-from ..loss import causal_shift, linear_cross_entropy
+from ... import grads
+from ...config import DEFAULT_PROFILE, ModelConfig, MoeConfig, load_profile, read_hf_config
+from ...loss import causal_shift, linear_cross_entropy
+from ...moe.routing import aux_loss_from_stats
 from .linear import linear
 from .norm import RMSNorm
 from .rope import rope_cos_sin
@@ -40,15 +39,18 @@ class ModelOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig, layer_idx: int, ep=None):
+    """One layer: the `attn` scope, then the `moe` scope (`is_moe`) or the dense `mlp` scope;
+    the attribute names are the state dict's (`layers.{i}.moe.w_gate_up`)."""
+
+    def __init__(self, layer_idx: int, attn: nn.Module, ffn: nn.Module, is_moe: bool):
         super().__init__()
         self.layer_idx = layer_idx
-        self.is_moe = cfg.is_moe_layer(layer_idx)
-        self.attn = AttentionScope(cfg)
-        if self.is_moe:
-            self.moe = MoeScope(cfg, moe, ep)
+        self.is_moe = is_moe
+        self.attn = attn
+        if is_moe:
+            self.moe = ffn
         else:
-            self.mlp = DenseMlpScope(cfg)
+            self.mlp = ffn
 
     @property
     def ffn(self) -> nn.Module:
@@ -66,8 +68,8 @@ class DecoderLayer(nn.Module):
         return self.ffn(h_BSH), None
 
 
-class Qwen3MoeModel(nn.Module):
-    """`ep` (moe/ep.EpGroup): build only this expert-parallel rank's experts. `aux_reduce`, when
+class MoeCausalLM(nn.Module):
+    """The model of any family (`cfg.model_type`). `ep` (moe/ep.EpGroup): build only this expert-parallel rank's experts. `aux_reduce`, when
     set (distributed data parallel), sums the pooled router statistics over all ranks
     (differentiably) and `aux_world` scales the token count, so the aux loss is the one of the
     global batch, as a single process computes it."""
@@ -79,8 +81,9 @@ class Qwen3MoeModel(nn.Module):
         self.aux_reduce = None
         self.aux_world = 1
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.moe_config, i, ep) for i in range(cfg.num_hidden_layers))
+        family = cfg.family
+        self.layers = nn.ModuleList(family.decoder_layer(cfg, self.moe_config, i, ep)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else \
             nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -89,7 +92,7 @@ class Qwen3MoeModel(nn.Module):
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: ModelConfig, moe: MoeConfig | None = None, seed: int = 0,
-                    dtype: torch.dtype | str = torch.bfloat16, device="cpu") -> "Qwen3MoeModel":
+                    dtype: torch.dtype | str = torch.bfloat16, device="cpu") -> "MoeCausalLM":
         """Seeded random weights (HF's init: N(0, initializer_range), norms at one), the same
         values a sharded model gets from `seeded_init_` (drawn in fp32, cast to dtype)."""
         from .init import seeded_init_
@@ -102,17 +105,17 @@ class Qwen3MoeModel(nn.Module):
         return model
 
     @classmethod
-    def from_profile(cls, name: str = "tiny-qwen3-moe", seed: int | None = None,
+    def from_profile(cls, name: str = DEFAULT_PROFILE, seed: int | None = None,
                      dtype: torch.dtype | str | None = None, device="cpu",
-                     overrides: list[str] | None = None) -> "Qwen3MoeModel":
+                     overrides: list[str] | None = None) -> "MoeCausalLM":
         prof = load_profile(name, overrides)
         return cls.from_config(prof.model, prof.moe, prof.run.seed if seed is None else seed,
                                dtype or prof.run.dtype, device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
-                        device="cpu", moe: MoeConfig | None = None) -> "Qwen3MoeModel":
-        from ..checkpoint import load_state_dict
+                        device="cpu", moe: MoeConfig | None = None) -> "MoeCausalLM":
+        from ...checkpoint import load_state_dict
 
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         cfg = read_hf_config(path)

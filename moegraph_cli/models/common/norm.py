@@ -4,7 +4,7 @@ The weight's gradient goes through `grads.through` (deposited into a sink's `.gr
 
 import torch
 
-from .. import grads
+from ... import grads
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """The `moe` scope (and its dense twin): y = h + ffn(post_norm(h)).
 
 MoeScope: post norm, router (fp32 softmax, top-k, optional renormalisation), experts, combine,
+optional shared expert (a SwiGLU every token passes through, scaled by
+`sigmoid(shared_expert_gate(x))` and added to the routed experts' output; Qwen2-MoE),
 residual. It returns the layer output and the layer's `[2, E]` load-balancing statistics, an
 extra output so the scope stays a pure tensors-in/tensors-out unit that can be graphed.
 The experts run through `reference_experts` (pure torch, the CPU path) or
@@ -14,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import grads
-from ..config import ModelConfig, MoeConfig
-from ..moe.ep import EpGroup, ep_moe
-from ..moe.reference import reference_experts
-from ..moe.routing import aux_stats, local_dispatch, route
+from ... import grads
+from ...config import ModelConfig, MoeConfig
+from ...moe.ep import EpGroup, ep_moe
+from ...moe.reference import reference_experts
+from ...moe.routing import aux_stats, local_dispatch, route
 from .linear import Linear
 from .norm import RMSNorm
 
@@ -28,7 +30,7 @@ def experts_fn(backend: str, device: torch.device):
     if backend == "auto":
         backend = "permute_free" if device.type == "cuda" else "reference"
     if backend == "permute_free":
-        from ..moe.experts import permute_free_experts
+        from ...moe.experts import permute_free_experts
         return permute_free_experts
     return reference_experts
 
@@ -47,6 +49,10 @@ class MoeScope(nn.Module):
         self.router = nn.Linear(h, e, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(local, 2 * f, h))
         self.w_down = nn.Parameter(torch.empty(local, h, f))
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size > 0:
+            self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(h, 1, bias=False)
         self.register_buffer("dropped_routes", torch.zeros(1, dtype=torch.int64),
                              persistent=False)
 
@@ -67,7 +73,22 @@ class MoeScope(nn.Module):
             dropped = None if dispatch.keep_TK is None else (~dispatch.keep_TK).sum()
         if dropped is not None:
             self.dropped_routes.add_(dropped.reshape(1))
+        if self.shared_expert is not None:
+            y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
         return h_BSH + y_TH.view(batch, seq, hidden), aux_stats(topk_ids_TK, probs_TE)
+
+
+class SwiGLU(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden, width, bias=False)
+        self.up_proj = Linear(hidden, width, bias=False)
+        self.down_proj = Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DenseMlpScope(nn.Module):

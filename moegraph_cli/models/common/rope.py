@@ -1,9 +1,9 @@
 """Rotary position embedding (HF "default" rope), with cos/sin precomputed per sequence length.
 
 cos/sin are computed exactly as transformers does (fp32 `pos * inv_freq`, duplicated halves,
-cast to the activation dtype), so the attention matches Qwen3MoeForCausalLM bit for bit in
-fp32. They are plain tensors owned by the model, which keeps them at a stable address: a
-captured attention graph reads them in place.
+cast to the activation dtype), so the attention matches transformers' (Qwen3-MoE, Mixtral,
+OLMoE, Qwen2-MoE: all "default" rope) bit for bit in fp32. They are plain tensors owned by the
+model, which keeps them at a stable address: a captured attention graph reads them in place.
 """
 
 import torch

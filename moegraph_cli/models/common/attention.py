@@ -1,0 +1,87 @@
+"""The `attn` scope: h = x + o_proj(attention(input_norm(x))).
+
+q/k/v projections (optional biases, and on o), then the family's q/k treatment before RoPE:
+RMSNorm per head (`qk_norm="head"`, Qwen3), RMSNorm over the whole projection (`"proj"`,
+OLMoE) or none; optional clamping of q/k/v to +-clip_qkv (OLMoE); SDPA causal with grouped KV
+heads, within a sliding window when one is set (Mixtral); o projection. The scope is one
+graphable unit: tensors in, tensors out, parameters and the rope tables owned by the module.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...config import ModelConfig
+from .linear import Linear
+from .norm import RMSNorm
+from .rope import apply_rope
+
+
+class AttentionScope(nn.Module):
+    def __init__(self, cfg: ModelConfig, qk_norm: str | None = "head", qkv_bias: bool = False,
+                 o_bias: bool = False, clip_qkv: float | None = None,
+                 sliding_window: int | None = None):
+        super().__init__()
+        if qk_norm not in ("head", "proj", None):
+            raise ValueError(f"qk_norm must be 'head', 'proj' or None, got {qk_norm!r}")
+        self.qk_norm = qk_norm
+        self.clip_qkv = clip_qkv
+        self.sliding_window = sliding_window
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        h, qd, kvd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, \
+            cfg.num_key_value_heads * cfg.head_dim
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = Linear(h, qd, bias=qkv_bias)
+        self.k_proj = Linear(h, kvd, bias=qkv_bias)
+        self.v_proj = Linear(h, kvd, bias=qkv_bias)
+        self.o_proj = Linear(qd, h, bias=o_bias)
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif qk_norm == "proj":
+            self.q_norm = RMSNorm(qd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kvd, cfg.rms_norm_eps)
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the model
+
+    def graph_state(self) -> tuple[torch.Tensor, ...]:
+        """Tensors the forward reads besides inputs and parameters (checked by graph contracts)."""
+        return tuple(self.rope) if self.rope is not None else ()
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x_BSH.shape
+        cos_SD, sin_SD = self.rope
+        y = self.input_norm(x_BSH)
+        q, k, v = self.q_proj(y), self.k_proj(y), self.v_proj(y)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.view(batch, seq, self.num_heads, self.head_dim)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos_SD[:seq], sin_SD[:seq]), apply_rope(k, cos_SD[:seq], sin_SD[:seq])
+        if self.num_kv_heads != self.num_heads:
+            # Expanded rather than `enable_gqa=True`: the fused SDPA kernels then run on every
+            # torch we support, and the expand is a view until SDPA reads it.
+            rep = self.num_heads // self.num_kv_heads
+            k = k[:, :, None].expand(batch, self.num_kv_heads, rep, seq, self.head_dim) \
+                .reshape(batch, self.num_heads, seq, self.head_dim)
+            v = v[:, :, None].expand(batch, self.num_kv_heads, rep, seq, self.head_dim) \
+                .reshape(batch, self.num_heads, seq, self.head_dim)
+        scale = self.head_dim ** -0.5
+        if self.sliding_window is not None and seq > self.sliding_window:
+            # Query i sees keys i - window < j <= i (transformers' sliding-window mask).
+            i = torch.arange(seq, device=q.device)
+            offset = i[:, None] - i[None, :]
+            mask = (offset >= 0) & (offset < self.sliding_window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        o = o.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
+        return x_BSH + self.o_proj(o)

@@ -1,0 +1,105 @@
+"""The architecture registry: `model_type` -> Family.
+
+A family is one module in this package (every module here except this one) that defines
+`FAMILY = Family(...)`: which config.json fields it reads and writes, its checkpoint key map
+and its decoder layer, the latter built from the shared parts in models/common/. Adding a
+family is adding its file. This module and the families' config and key-map halves import no
+torch (`inspect` and `plan` run without it); a family builds its layers with lazy imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from ..documents import show
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from .common.keys import Slot
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str                 # config.json's model_type
+    architecture: str               # config.json's architectures[0], transformers' class
+    # config.json dict (a copy, the caller's source for messages) -> ModelConfig field values;
+    # renames HF spellings and refuses settings the family cannot build.
+    read_config: Callable[[dict, str], dict]
+    write_config: Callable[["ModelConfig"], dict]   # ModelConfig -> config.json fields
+    # (field, ok, message) checks beyond ModelConfig's generic ones; message without prefix.
+    checks: Callable[["ModelConfig"], list[tuple[str, bool, str]]]
+    # HF tensor name -> Slot, in save order; layers in the set use the fused expert spelling.
+    key_map: Callable[["ModelConfig", set[int]], dict[str, "Slot"]]
+    experts_prefix: str             # HF name of a layer's experts after model.layers.{i}.
+    decoder_layer: Callable         # (cfg, moe, layer_idx, ep) -> common.decoder.DecoderLayer
+    # The optional ModelConfig settings (FEATURES) this family has; any other must stay at its
+    # default, or validation names it as not a setting of the family.
+    features: frozenset[str] = frozenset()
+
+
+# Settings only some families have; each family lists those it has in `features`.
+FEATURES = {
+    "norm_topk_prob": True,                 # False: top-k weights not renormalised
+    "decoder_sparse_step": 1,               # dense layers between MoE layers
+    "mlp_only_layers": [],                  # dense layers by index
+    "sliding_window": None,                 # windowed attention
+    "clip_qkv": None,                       # q/k/v clamped
+    "qkv_bias": False,                      # biases on q/k/v
+    "attention_bias": False,                # biases on q/k/v and o
+    "shared_expert_intermediate_size": 0,   # a gated shared expert
+}
+
+
+def feature_checks(family: Family, cfg) -> list[tuple[str, bool, str]]:
+    """(field, ok, message) for each feature the family lacks, set away from its default."""
+    return [(name, getattr(cfg, name) == default,
+             f"{name} is not a {family.model_type} setting; leave it at {show(default)} (got "
+             f"{show(getattr(cfg, name))})")
+            for name, default in FEATURES.items() if name not in family.features]
+
+
+_FAMILIES: dict[str, Family] | None = None
+
+
+def require(d: dict, names: tuple[str, ...], source: str) -> None:
+    """Refuse a config.json without one of `names` (its HF spellings): moegraph never falls
+    back to a class default where transformers might use another."""
+    missing = [n for n in names if d.get(n) is None]
+    if missing:
+        raise UsageError(f"{source}: missing required field {missing[0]!r}")
+
+
+def families() -> dict[str, Family]:
+    """Every family in this package, by model_type (imported once)."""
+    global _FAMILIES
+    if _FAMILIES is None:
+        from . import __path__ as here
+
+        found = {}
+        for info in sorted(pkgutil.iter_modules(here), key=lambda m: m.name):
+            if info.ispkg or info.name == "registry":
+                continue
+            module = importlib.import_module(f"{__package__}.{info.name}")
+            fam = getattr(module, "FAMILY", None)
+            if not isinstance(fam, Family):
+                raise RuntimeError(f"models/{info.name}.py defines no FAMILY")
+            found[fam.model_type] = fam
+        _FAMILIES = found
+    return _FAMILIES
+
+
+def supported_types() -> list[str]:
+    return sorted(families())
+
+
+def family_of(model_type, source: str = "model.model_type") -> Family:
+    """The family of `model_type`; an unsupported one is a usage error naming the others."""
+    fam = families().get(model_type) if isinstance(model_type, str) else None
+    if fam is None:
+        raise UsageError(f"{source} is {show(model_type)}; moegraph reads "
+                         + ", ".join(repr(t) for t in supported_types()))
+    return fam
