@@ -29,6 +29,8 @@ def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfi
     parameter's dtype, reading only what this rank holds (see the module docstring)."""
     plan = plan_load(path, cfg)
     params = dict(model.named_parameters())
+    # saved buffers (DeepSeek's router correction bias) load like parameters
+    params.update({n: b for n, b in model.named_buffers() if n in plan.shapes})
     unfilled = [name for name in params if name not in plan.shapes]
     if unfilled:
         raise CheckpointError(f"checkpoint: no tensor in {plan.root} fills model parameter "

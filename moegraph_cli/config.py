@@ -58,6 +58,21 @@ class ModelConfig:
     clip_qkv: typing.Optional[float] = None  # clamp q/k/v projections to +-clip_qkv (OLMoE)
     shared_expert_intermediate_size: int = 0  # an always-on expert of this width (Qwen2-MoE)
     qkv_bias: bool = False  # biases on q/k/v only (Qwen2-MoE); attention_bias: on o too (OLMoE)
+    # Multi-head latent attention (DeepSeek-V3; kv_lora_rank 0: none). head_dim is then the
+    # rope part, qk_rope_head_dim, as transformers sets it.
+    q_lora_rank: typing.Optional[int] = None  # None: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rope on interleaved pairs (x0, x1), (x2, x3), ...
+    rope_scaling: typing.Optional[dict] = None  # yarn parameters (rope_type, factor, ...)
+    # DeepSeek-V3 router: sigmoid scores, group-limited top-k, scaled weights.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0  # an ungated shared expert of n * moe_intermediate_size
+    first_k_dense_replace: int = 0  # the first k layers are dense
 
     @property
     def family(self):
@@ -66,10 +81,27 @@ class ModelConfig:
 
         return family_of(self.model_type)
 
+    @property
+    def shared_expert_width(self) -> int:
+        """The shared expert's width: Qwen2-MoE's own field, or DeepSeek's n_shared_experts
+        experts side by side; 0 without one."""
+        return self.shared_expert_intermediate_size or \
+            self.n_shared_experts * self.moe_intermediate_size
+
+    @property
+    def attn_head_dims(self) -> tuple[int, int]:
+        """(q/k head dim, v head dim) of attention: head_dim twice, or MLA's
+        (qk_nope_head_dim + qk_rope_head_dim, v_head_dim)."""
+        if self.kv_lora_rank > 0:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
+
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """HF rule: MoE unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
+        """HF rule: MoE unless listed in mlp_only_layers, every decoder_sparse_step-th layer,
+        and not one of the first first_k_dense_replace layers (DeepSeek)."""
         return (
             layer_idx not in self.mlp_only_layers
+            and layer_idx >= self.first_k_dense_replace
             and self.num_experts > 0
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
@@ -154,7 +186,7 @@ class ModelConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling")
         if rope:
             rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type != "default":
+            if rope_type != "default" and "rope_scaling" not in family.features:
                 raise UsageError(f"{source}: rope type {show(rope_type)} is not supported "
                                  "(only 'default')")
             if "rope_theta" not in d and "rope_theta" in rope:
@@ -238,6 +270,9 @@ class MoeConfig:
     mode: str = "dropless"  # dropless | capacity
     capacity_factor: float = 1.25
     backend: str = "auto"  # auto (permute_free on CUDA, reference on CPU) | reference | permute_free
+    # Auxiliary-loss-free balancing (DeepSeek-V3's router bias): after each optimizer step
+    # bias_e += rate * sign(mean load - load_e), on the device; 0: off.
+    bias_update_rate: float = 0.0
 
     def validate(self) -> "MoeConfig":
         if self.mode not in ("dropless", "capacity"):
@@ -245,6 +280,9 @@ class MoeConfig:
         if self.capacity_factor <= 0:
             raise _invalid("capacity_factor", f"moe.capacity_factor must be positive, got "
                            f"{self.capacity_factor}")
+        if self.bias_update_rate < 0:
+            raise _invalid("bias_update_rate", f"moe.bias_update_rate must be >= 0, got "
+                           f"{self.bias_update_rate}")
         if self.backend not in ("auto", "reference", "permute_free"):
             raise _invalid("backend", f"moe.backend {show(self.backend)} must be auto, reference "
                            "or permute_free")
@@ -442,4 +480,7 @@ def _coerce(where: str, value, typ):
     elif typ is str:
         if isinstance(value, str):
             return value
+    elif typ is dict:
+        if isinstance(value, dict):
+            return dict(value)
     raise UsageError(f"{where}: expected {getattr(typ, '__name__', typ)}, got {show(value)}")

@@ -23,8 +23,9 @@ def step_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     # times two), 2Sw - w^2 within a sliding window w < S.
     w = cfg.sliding_window
     pairs = seq_len * seq_len if w is None or w >= seq_len else 2 * seq_len * w - w * w
-    attn = 6.0 * cfg.num_hidden_layers * batch * pairs * \
-        cfg.num_attention_heads * cfg.head_dim  # QK^T and PV, causal half, x3 for fwd+bwd
+    qk_dim, v_dim = cfg.attn_head_dims
+    attn = 3.0 * cfg.num_hidden_layers * batch * pairs * \
+        cfg.num_attention_heads * (qk_dim + v_dim)  # QK^T and PV, causal half, x3 fwd+bwd
     return dense + attn
 
 

@@ -126,13 +126,17 @@ def make_trainer(model, lr: float, weight_decay: float = 0.0, rt=None,
 
 
 def dropped_routes(model, reset: bool = False) -> int:
-    """Routes dropped by capacity since the last reset, over this process's MoE layers."""
+    """Routes dropped by capacity since the last reset, over this process's MoE layers.
+    `reset` also clears the routes the routers counted for their bias update
+    (moe.bias_update_rate): warm-up and capture runs are no training steps."""
     total = 0
     for name, buf in model.named_buffers():
         if name.endswith("dropped_routes"):
             total += int(buf.sum())
             if reset:
                 buf.zero_()
+        elif reset and name.endswith("expert_load"):
+            buf.zero_()
     return total
 
 

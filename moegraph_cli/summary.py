@@ -114,6 +114,17 @@ def summarize(prof: Profile, source: str) -> dict:
     static["buffers"] = rope_buffer_bytes(cfg, prof.run.seq_len, prof.run.dtype)
     static["total"] += static["buffers"]
     static["total"] = static.pop("total")  # last, after the parts
+    mla = {}
+    if cfg.kv_lora_rank > 0:  # DeepSeek-V3: the latent attention and the grouped router
+        rope = cfg.rope_scaling or {}
+        mla = {"q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+               "qk_nope_head_dim": cfg.qk_nope_head_dim,
+               "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+               "rope_interleave": cfg.rope_interleave,
+               "rope_type": rope.get("rope_type", "default"),
+               "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+               "routed_scaling_factor": cfg.routed_scaling_factor,
+               "first_k_dense_replace": cfg.first_k_dense_replace}
     return {
         "source": source,
         "name": prof.name,
@@ -126,9 +137,9 @@ def summarize(prof: Profile, source: str) -> dict:
             "norm_topk_prob": cfg.norm_topk_prob, "mlp_only_layers": cfg.mlp_only_layers,
             "decoder_sparse_step": cfg.decoder_sparse_step, "rope_theta": cfg.rope_theta,
             "tie_word_embeddings": cfg.tie_word_embeddings,
-            "shared_expert_intermediate": cfg.shared_expert_intermediate_size,
+            "shared_expert_intermediate": cfg.shared_expert_width,
             "sliding_window": cfg.sliding_window, "clip_qkv": cfg.clip_qkv,
-            "qkv_bias": cfg.qkv_bias, "attention_bias": cfg.attention_bias,
+            "qkv_bias": cfg.qkv_bias, "attention_bias": cfg.attention_bias, **mla,
         },
         "run": {"batch": prof.run.batch, "seq_len": prof.run.seq_len, "dtype": prof.run.dtype,
                 "moe_mode": prof.moe.mode, "capacity_factor": prof.moe.capacity},

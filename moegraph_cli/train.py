@@ -171,6 +171,8 @@ class Trainer:
         self.model = model
         self.grad_accum = grad_accum
         self.optimizer = make_optimizer(model, lr, weight_decay)
+        # DeepSeek-V3's router-bias rule (moe.bias_update_rate), applied after each step
+        self.bias_update = getattr(getattr(model, "moe_config", None), "bias_update_rate", 0) > 0
 
     def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Every micro-batch's forward and backward; the gradients are in `.grad` after."""
@@ -191,6 +193,10 @@ class Trainer:
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         loss = self.forward_backward(input_ids)
         self.optimizer.step()
+        if self.bias_update:
+            from .models.common.ffn import update_router_bias_
+
+            update_router_bias_(self.model)
         return loss
 
 

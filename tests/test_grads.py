@@ -59,9 +59,18 @@ def test_write_mode_overwrites_poisoned_grads_with_autograds(extra):
     ("tiny-mixtral", ["model.sliding_window=4"]),
     ("tiny-olmoe", ["model.attention_bias=true", "model.clip_qkv=0.5"]),
     ("tiny-qwen2-moe", ["model.shared_expert_intermediate_size=24", "model.mlp_only_layers=[0]"]),
+    ("tiny-deepseek-v3", ["model.num_key_value_heads=4", "model.head_dim=4",
+                          "model.qk_rope_head_dim=4", "model.qk_nope_head_dim=6",
+                          "model.v_head_dim=10", "model.q_lora_rank=12", "model.kv_lora_rank=8",
+                          "model.attention_bias=true"]),
+    ("tiny-deepseek-v3", ["model.num_key_value_heads=4", "model.head_dim=4",
+                          "model.qk_rope_head_dim=4", "model.qk_nope_head_dim=6",
+                          "model.v_head_dim=6", "model.q_lora_rank=null", "model.kv_lora_rank=8",
+                          "model.rope_interleave=false"]),
 ])
 def test_write_mode_for_every_family(profile, extra):
-    """Biases, q/k norms over the projection and the shared expert write their grads too."""
+    """Biases, q/k norms over the projection, the shared expert (gated and not), MLA's
+    projections and latent norms and the grouped sigmoid router write their grads too."""
     model = MoeCausalLM.from_profile(profile, dtype=torch.float32, overrides=SMALL + extra)
     ids = next(batches(96, 2, 12, 0, "cpu"))
     want = _reference_grads(model, ids)

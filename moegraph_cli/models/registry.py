@@ -51,6 +51,18 @@ FEATURES = {
     "qkv_bias": False,                      # biases on q/k/v
     "attention_bias": False,                # biases on q/k/v and o
     "shared_expert_intermediate_size": 0,   # a gated shared expert
+    "q_lora_rank": None,                    # multi-head latent attention (DeepSeek-V3) ...
+    "kv_lora_rank": 0,
+    "qk_nope_head_dim": 0,
+    "qk_rope_head_dim": 0,
+    "v_head_dim": 0,
+    "rope_interleave": False,
+    "rope_scaling": None,                   # yarn rope
+    "n_group": 1,                           # group-limited sigmoid router ...
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "n_shared_experts": 0,                  # an ungated shared expert
+    "first_k_dense_replace": 0,             # leading dense layers
 }
 
 

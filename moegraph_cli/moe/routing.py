@@ -32,6 +32,56 @@ def route(x_TH: torch.Tensor, w_router_EH: torch.Tensor, top_k: int, norm_topk_p
     return topk_ids_TK, topk_weights_TK.to(logits_TE.dtype), probs_TE
 
 
+def _top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim, ties to the lower index (a stable sort;
+    torch.topk leaves the order of ties unspecified). A copy: autograd keeps [.., k], not
+    the whole sort."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
+
+
+def route_grouped(x_TH: torch.Tensor, w_router_EH: torch.Tensor, bias_E: torch.Tensor,
+                  top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                  scaling: float):
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter). Return (topk_ids_TK int64,
+    topk_weights_TK in x's dtype, scores_TE fp32 normalised per token, for the statistics).
+
+    fp32 logits -> sigmoid scores; selection reads scores + bias (the correction bias moves
+    the choice, never the weights): experts fall in n_group equal groups, a group scores the
+    sum of its two best, the topk_group best groups stay and top_k experts are picked among
+    them (ties to the lower group / expert index). Weights are the picked raw scores,
+    renormalised (+1e-20) when norm_topk_prob, then times `scaling`."""
+    num_tokens, num_experts = x_TH.shape[0], w_router_EH.shape[0]
+    logits_TE = F.linear(x_TH.float(), w_router_EH.float())
+    scores_TE = logits_TE.sigmoid()
+    choice_TE = scores_TE.detach() + bias_E.float()
+    groups_TGX = choice_TE.view(num_tokens, n_group, num_experts // n_group)
+    group_scores_TG = groups_TGX.topk(min(2, groups_TGX.shape[-1]), dim=-1).values.sum(dim=-1)
+    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+    keep_TG.scatter_(1, _top_indices(group_scores_TG, topk_group), True)
+    keep_TE = keep_TG[:, :, None].expand_as(groups_TGX).reshape(num_tokens, num_experts)
+    topk_ids_TK = _top_indices(choice_TE.masked_fill(~keep_TE, float("-inf")), top_k)
+    topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
+    if norm_topk_prob:
+        topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    topk_weights_TK = topk_weights_TK * scaling
+    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+    return topk_ids_TK, topk_weights_TK.to(x_TH.dtype), probs_TE
+
+
+def expert_load_E(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per expert [E] fp32, counted on the device (scatter_add; no bincount)."""
+    ids = topk_ids_TK.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
+        0, ids, torch.ones(ids.numel(), dtype=torch.float32, device=ids.device))
+
+
+@torch.no_grad()
+def update_correction_bias_(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, in place on the device:
+    bias_e += rate * sign(mean load - load_e); an underloaded expert's bias rises."""
+    bias_E.add_((load_E.mean() - load_E).sign().to(bias_E.dtype), alpha=rate)
+
+
 def aux_stats(topk_ids_TK: torch.Tensor, probs_TE: torch.Tensor) -> torch.Tensor:
     """Per-layer load-balancing statistics `[2, E]` fp32: row 0 top-k counts, row 1 prob sums."""
     num_experts = probs_TE.shape[-1]

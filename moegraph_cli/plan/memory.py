@@ -311,7 +311,7 @@ class StepModel:
             return b * experts * 2 * c.moe_intermediate_size * c.hidden_size
         if kind == "mlp":
             return b * c.intermediate_size * c.hidden_size
-        return b * c.num_attention_heads * c.head_dim * c.hidden_size
+        return b * c.num_attention_heads * max(c.attn_head_dims) * c.hidden_size
 
     def _pools(self, captured, strategy) -> tuple[dict[str, int], dict[str, int]]:
         frag = 1.0 + self.fragmentation
@@ -440,6 +440,8 @@ def attn_memory(prof: Profile) -> ScopeMemory:
     H, D, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     Q = nh * D
     shapes = layer_shapes(c, 0)
+    if "attn.kv_b_proj.weight" in shapes:
+        return mla_memory(prof)
     saved = (rms_saved(T, H, b, True) + b * T * H  # input norm; its output y (q/k/v input)
              + 4 * b * T * Q  # SDPA's q, k and v (GQA-expanded to nh heads) and its output
              + 4 * T * nh)  # SDPA's logsumexp
@@ -460,6 +462,31 @@ def attn_memory(prof: Profile) -> ScopeMemory:
                        saves_input=b == 4)
 
 
+def mla_memory(prof: Profile) -> ScopeMemory:
+    """Multi-head latent attention (common/mla.py; DeepSeek-V3). Rq the q LoRA rank (none:
+    a plain q_proj), R kv_lora_rank, r the rope part, Dp = max(q/k head dim, v_head_dim) the
+    width SDPA runs at (v or q/k zero-padded). Saved: the input norm and y; the q LoRA norm and
+    its output; the kv latent norm (its fp32 input: in fp32 the whole [T, R + r] projection
+    it is a view of) and its output; SDPA's padded q, k, v and output and its logsumexp; the
+    o projection's input [T, nh * v_head_dim] (a copy: the output is sliced)."""
+    c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    H, nh, R, r = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    Dp = max(c.qk_nope_head_dim + r, c.v_head_dim)
+    Q, V = nh * Dp, nh * c.v_head_dim
+    saved = rms_saved(T, H, b, True) + b * T * H
+    if c.q_lora_rank is not None:
+        saved += rms_saved(T, c.q_lora_rank, b, False) + b * T * c.q_lora_rank
+    saved += (4 * T * (R + r) if b == 4 else 4 * T * R) + 4 * T + 2 * b * T * R
+    saved += 4 * b * T * Q + 4 * T * nh + b * T * V
+    params = _param_bytes(prof, 0, "attn.")
+    wide = max(H, Q, nh * (c.qk_nope_head_dim + c.v_head_dim))
+    fwd = (4 + b) * T * wide + 2 * b * T * Q  # fp32 norm temporaries; q/k before padding
+    bwd = (b * T * H + params + b * T * Q
+           + max(3 * b * T * Q + 4 * T * Q + 4 * T * nh, 12 * T * wide))
+    return ScopeMemory("attn", saved, b * T * H, b * T * H, fwd, bwd, params,
+                       saves_input=b == 4)
+
+
 def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     c, run, b = prof.model, prof.run, DTYPE_BYTES[prof.run.dtype]
     T, H, E, k, F = run.batch * run.seq_len, c.hidden_size, c.num_experts, \
@@ -469,9 +496,13 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     if prof.moe.capacity is not None:
         capacity = max(1, math.ceil(N * prof.moe.capacity / E))
     saved = rms_saved(T, H, b, True) + b * T * H  # post norm; x_TH (router and experts)
-    saved += 4 * T * E + 8 * N  # softmax probs (fp32), top-k indices (int64)
+    saved += 4 * T * E + 8 * N  # softmax (or sigmoid) probs (fp32), top-k indices (int64)
     if c.norm_topk_prob:
         saved += 4 * N + 4 * T  # renormalisation's operands: fp32 top-k values and their sum
+    if "moe.e_score_correction_bias" in layer_shapes(c, _first_moe_layer(prof)):
+        # the grouped sigmoid router (DeepSeek-V3): the per-token score sum of its
+        # statistics; below fp32, the fp32 copies of x and the router weight its logits read
+        saved += 4 * T + (0 if b == 4 else 4 * T * H + 4 * E * H)
     backend = prof.moe.backend
     if backend == "auto":
         backend = "permute_free" if device_type == "cuda" else "reference"
@@ -507,9 +538,12 @@ def shared_expert_memory(prof: Profile) -> tuple[int, int, int]:
     the sum with the routed output [T, H]; backward: the [T, Sh] gradients and dx [T, H]
     (its weight gradients are in the scope's parameter bytes)."""
     c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
-    width, H = c.shared_expert_intermediate_size, c.hidden_size
+    width, H = c.shared_expert_width, c.hidden_size
     if width == 0:
         return 0, 0, 0
+    if "moe.shared_expert_gate.weight" not in layer_shapes(c, _first_moe_layer(prof)):
+        # ungated (DeepSeek-V3): no sigmoid multiply, nothing beyond its own four tensors
+        return 4 * b * T * width, b * T * H + b * T * width, 3 * b * T * width + 2 * b * T * H
     saved = 4 * b * T * width + b * T * H + b * T
     return saved, b * T * H + b * T * width, 3 * b * T * width + 2 * b * T * H
 

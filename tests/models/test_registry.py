@@ -16,7 +16,7 @@ from moegraph_cli.errors import UsageError
 from cli_util import run_cli
 
 TINY = {"qwen3_moe": "tiny-qwen3-moe", "mixtral": "tiny-mixtral", "olmoe": "tiny-olmoe",
-        "qwen2_moe": "tiny-qwen2-moe"}
+        "qwen2_moe": "tiny-qwen2-moe", "deepseek_v3": "tiny-deepseek-v3"}
 
 
 def test_every_family_is_found_and_has_a_tiny_profile():
@@ -52,7 +52,8 @@ def test_config_json_round_trip_in_both_spellings(model_type):
     assert ModelConfig.from_hf_dict(json.loads(json.dumps(d))) == cfg
     # transformers 5.x: rope_parameters instead of rope_theta
     v5 = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling")}
-    v5["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    v5["rope_parameters"] = {**(d["rope_scaling"] or {"rope_type": "default"}),  # yarn: DeepSeek
+                             "rope_theta": cfg.rope_theta}
     assert ModelConfig.from_hf_dict(v5) == cfg
 
 
@@ -64,22 +65,23 @@ def test_fields_a_family_does_not_read_are_ignored_in_config_json():
 
 
 def test_unsupported_model_type_is_refused_naming_the_supported(tmp_path):
-    with pytest.raises(UsageError, match="model_type is 'gpt_oss'; moegraph reads 'mixtral', "
-                                         "'olmoe', 'qwen2_moe', 'qwen3_moe'"):
+    with pytest.raises(UsageError, match="model_type is 'gpt_oss'; moegraph reads "
+                                         "'deepseek_v3', 'mixtral', 'olmoe', 'qwen2_moe', "
+                                         "'qwen3_moe'"):
         ModelConfig.from_hf_dict({**ModelConfig().to_hf_dict(), "model_type": "gpt_oss"})
     ckpt = tmp_path / "ck"
     code, _, err = run_cli("init", "tiny-mixtral", ckpt, "--set", "model.vocab_size=64",
                            "--set", "model.hidden_size=32", "--set", "model.head_dim=8")
     assert code == 0, err
     config = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+    (ckpt / "config.json").write_text(json.dumps({**config, "model_type": "dbrx"}))
     code, out, err = run_cli("inspect", ckpt)
     assert code == 2 and out == ""
-    assert err.strip().endswith("model_type is 'deepseek_v3'; moegraph reads 'mixtral', "
-                                "'olmoe', 'qwen2_moe', 'qwen3_moe'")
+    assert err.strip().endswith("model_type is 'dbrx'; moegraph reads 'deepseek_v3', "
+                                "'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'")
     assert len(err.strip().splitlines()) == 1
     code, _, err = run_cli("plan", "--budget", "8GiB", "--set", "model.model_type=gpt_oss")
-    assert code == 2 and "model.model_type is 'gpt_oss'; moegraph reads 'mixtral'" in err
+    assert code == 2 and "model.model_type is 'gpt_oss'; moegraph reads 'deepseek_v3'" in err
 
 
 def test_a_family_refuses_settings_it_does_not_have():
@@ -93,7 +95,10 @@ def test_a_family_refuses_settings_it_does_not_have():
 @pytest.mark.parametrize("model_type,field", [("mixtral", "rms_norm_eps"),
                                               ("mixtral", "num_local_experts"),
                                               ("olmoe", "norm_topk_prob"),
-                                              ("qwen2_moe", "shared_expert_intermediate_size")])
+                                              ("qwen2_moe", "shared_expert_intermediate_size"),
+                                              ("deepseek_v3", "n_group"),
+                                              ("deepseek_v3", "rope_interleave"),
+                                              ("deepseek_v3", "q_lora_rank")])
 def test_a_field_transformers_would_default_is_required(model_type, field):
     """No class default stands in for a field config.json leaves out."""
     d = load_profile(TINY[model_type]).model.to_hf_dict()

@@ -160,6 +160,12 @@ FAMILY_CASES = {  # each family's tiny profile with the settings that change wha
     "tiny-mixtral": ["model.sliding_window=16"],
     "tiny-olmoe": ["model.clip_qkv=0.5", "model.attention_bias=true"],
     "tiny-qwen2-moe": ["model.mlp_only_layers=[1]"],
+    # MLA with a q LoRA and v padded to the q/k head dim; the grouped sigmoid router and the
+    # ungated shared expert; a leading dense layer
+    "tiny-deepseek-v3": [],
+    # MLA without a q LoRA, q/k padded to a wider v
+    "tiny-deepseek-v3 ": ["model.q_lora_rank=null", "model.v_head_dim=128",
+                          "model.first_k_dense_replace=0"],
 }
 
 
@@ -168,7 +174,7 @@ FAMILY_CASES = {  # each family's tiny profile with the settings that change wha
 def test_saved_formula_of_each_family(profile, dtype):
     """The families' attention variants (no q/k norm, q/k norm over the projection, clamped
     q/k/v, a sliding window) and the shared expert, against autograd's saved tensors."""
-    prof = load_profile(profile, [f"run.dtype={dtype}", "run.seq_len=64", "run.batch=2",
+    prof = load_profile(profile.strip(), [f"run.dtype={dtype}", "run.seq_len=64", "run.batch=2",
                                   "moe.backend=reference", "model.num_hidden_layers=3",
                                   *FAMILY_CASES[profile]])
     measured = measure_saved(prof)

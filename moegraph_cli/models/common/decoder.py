@@ -123,6 +123,11 @@ class MoeCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, moe)
         model.load_state_dict(state, assign=True, strict=True)
+        for module in model.modules():  # non-persistent buffers (counters) are not loaded
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and buf.is_meta:
+                    module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype,
+                                                        device=device)
         return model
 
     # -- forward ----------------------------------------------------------------------------
@@ -131,8 +136,10 @@ class MoeCausalLM(nn.Module):
         never freed, so a graph captured at one length keeps reading valid tables."""
         key = (seq_len, dtype, str(device))
         if key not in self._rope_cache:
-            self._rope_cache[key] = rope_cos_sin(seq_len, self.config.head_dim,
-                                                 self.config.rope_theta, dtype, device)
+            c = self.config
+            self._rope_cache[key] = rope_cos_sin(seq_len, c.head_dim, c.rope_theta, dtype,
+                                                 device, c.rope_scaling,
+                                                 c.max_position_embeddings)
         for layer in self.layers:
             layer.attn.rope = self._rope_cache[key]
 

@@ -1,9 +1,12 @@
 """The `moe` scope (and its dense twin): y = h + ffn(post_norm(h)).
 
-MoeScope: post norm, router (fp32 softmax, top-k, optional renormalisation), experts, combine,
-optional shared expert (a SwiGLU every token passes through, scaled by
-`sigmoid(shared_expert_gate(x))` and added to the routed experts' output; Qwen2-MoE),
-residual. It returns the layer output and the layer's `[2, E]` load-balancing statistics, an
+MoeScope: post norm, router (fp32 softmax, top-k, optional renormalisation; or DeepSeek-V3's
+`router="sigmoid_grouped"`: sigmoid scores, group-limited top-k chosen with the
+`e_score_correction_bias` buffer, scaled weights), experts, combine, optional shared expert (a
+SwiGLU every token passes through, scaled by `sigmoid(shared_expert_gate(x))` (Qwen2-MoE) or
+ungated (`shared_gate=False`, DeepSeek-V3), added to the routed experts' output), residual.
+With `moe.bias_update_rate` > 0 the grouped router also counts its routes per expert on the
+device (`expert_load`); `update_router_bias_` applies the bias rule after the step. It returns the layer output and the layer's `[2, E]` load-balancing statistics, an
 extra output so the scope stays a pure tensors-in/tensors-out unit that can be graphed.
 The experts run through `reference_experts` (pure torch, the CPU path) or
 `permute_free_experts` (Triton, sync-free, the CUDA path); both have one signature.
@@ -20,7 +23,8 @@ from ... import grads
 from ...config import ModelConfig, MoeConfig
 from ...moe.ep import EpGroup, ep_moe
 from ...moe.reference import reference_experts
-from ...moe.routing import aux_stats, local_dispatch, route
+from ...moe.routing import (aux_stats, expert_load_E, local_dispatch, route, route_grouped,
+                            update_correction_bias_)
 from .linear import Linear
 from .norm import RMSNorm
 
@@ -36,8 +40,11 @@ def experts_fn(backend: str, device: torch.device):
 
 
 class MoeScope(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig, ep: EpGroup | None = None):
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig, ep: EpGroup | None = None,
+                 router: str = "softmax", shared_gate: bool = True):
         super().__init__()
+        if router not in ("softmax", "sigmoid_grouped"):
+            raise ValueError(f"router must be 'softmax' or 'sigmoid_grouped', got {router!r}")
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         local = e if ep is None else ep.num_local
         self.ep = ep
@@ -50,17 +57,53 @@ class MoeScope(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(local, 2 * f, h))
         self.w_down = nn.Parameter(torch.empty(local, h, f))
         self.shared_expert = self.shared_expert_gate = None
-        if cfg.shared_expert_intermediate_size > 0:
-            self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(h, 1, bias=False)
+        if cfg.shared_expert_width > 0:
+            self.shared_expert = SwiGLU(h, cfg.shared_expert_width)
+            if shared_gate:
+                self.shared_expert_gate = Linear(h, 1, bias=False)
+        self.grouped = router == "sigmoid_grouped"
+        self.bias_update_rate = 0.0
+        if self.grouped:
+            self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+            self.routed_scaling_factor = cfg.routed_scaling_factor
+            self.bias_update_rate = moe.bias_update_rate
+            # A buffer (in the checkpoint, never trained): it moves the choice of experts.
+            # fp32 whatever the model dtype, as transformers keeps it (small bias updates
+            # would round away in bf16); the state dict holds it in the model's dtype, as a
+            # checkpoint holds one dtype.
+            self.register_buffer("e_score_correction_bias", torch.zeros(e))
+            self.register_buffer("expert_load", torch.zeros(e, dtype=torch.float32),
+                                 persistent=False)
+            self._register_state_dict_hook(_bias_in_model_dtype)
+            self.register_load_state_dict_post_hook(lambda module, _keys: module._fp32_bias())
         self.register_buffer("dropped_routes", torch.zeros(1, dtype=torch.int64),
                              persistent=False)
+
+    def _fp32_bias(self) -> None:
+        """The router's bias and load count stay fp32 through `.to(dtype)` and loading."""
+        for name in ("e_score_correction_bias", "expert_load"):
+            buf = self._buffers.get(name)
+            if buf is not None and buf.dtype != torch.float32:
+                self._buffers[name] = buf.float()
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._fp32_bias()
+        return out
 
     def forward(self, h_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, seq, hidden = h_BSH.shape
         x_TH = self.post_norm(h_BSH).view(batch * seq, hidden)
-        topk_ids_TK, topk_weights_TK, probs_TE = route(
-            x_TH, grads.through(self.router.weight), self.top_k, self.norm_topk_prob)
+        if self.grouped:
+            topk_ids_TK, topk_weights_TK, probs_TE = route_grouped(
+                x_TH, grads.through(self.router.weight), self.e_score_correction_bias,
+                self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
+                self.routed_scaling_factor)
+            if self.bias_update_rate > 0:
+                self.expert_load.add_(expert_load_E(topk_ids_TK, self.expert_load.shape[0]))
+        else:
+            topk_ids_TK, topk_weights_TK, probs_TE = route(
+                x_TH, grads.through(self.router.weight), self.top_k, self.norm_topk_prob)
         experts = experts_fn(self.backend, x_TH.device)
         if self.ep is not None:
             y_TH, dropped = ep_moe(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up,
@@ -73,9 +116,29 @@ class MoeScope(nn.Module):
             dropped = None if dispatch.keep_TK is None else (~dispatch.keep_TK).sum()
         if dropped is not None:
             self.dropped_routes.add_(dropped.reshape(1))
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+        elif self.shared_expert is not None:
+            y_TH = y_TH + self.shared_expert(x_TH)
         return h_BSH + y_TH.view(batch, seq, hidden), aux_stats(topk_ids_TK, probs_TE)
+
+
+def _bias_in_model_dtype(module, state_dict, prefix, _metadata):
+    key = prefix + "e_score_correction_bias"
+    if key in state_dict:
+        state_dict[key] = state_dict[key].to(module.post_norm.weight.dtype)
+
+
+@torch.no_grad()
+def update_router_bias_(model: nn.Module) -> None:
+    """After an optimizer step, outside any graph: every grouped router with a bias update
+    rate moves its correction bias by the load it counted since the last call (on the device,
+    no sync), and its count restarts. A model without such routers is left alone."""
+    for module in model.modules():
+        if isinstance(module, MoeScope) and module.bias_update_rate > 0:
+            update_correction_bias_(module.e_score_correction_bias, module.expert_load,
+                                    module.bias_update_rate)
+            module.expert_load.zero_()
 
 
 class SwiGLU(nn.Module):

@@ -29,6 +29,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down")  # dim 0 is the expert
+# Buffers that start at zero: DeepSeek's router correction bias (in the checkpoint) and the
+# load it counts for the bias update.
+ZERO_BUFFERS = ("e_score_correction_bias", "expert_load")
 
 
 def is_expert_stack(name: str) -> bool:
@@ -105,6 +108,8 @@ def seeded_value(name: str, shape, seed: int, std: float, expert: int | None = N
     init` writes checkpoints from it one tensor at a time, without building the model."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.float32, device=device)
+    if name.endswith(ZERO_BUFFERS):
+        return torch.zeros(shape, dtype=torch.float32, device=device)
     key = (name,) if expert is None else (name, expert)
     return _normal_fp32(shape, std, torch.device(device), stable_seed(seed, *key))
 
@@ -126,3 +131,6 @@ def seeded_init_(model: nn.Module, seed: int, std: float,
                 local[e - lo].copy_(seeded_value(name, p.shape[1:], seed, std, e, local.device))
         else:
             local.copy_(seeded_value(name, p.shape, seed, std, None, local.device)[lo:hi])
+    for name, buf in model.named_buffers():
+        if name.endswith(ZERO_BUFFERS):
+            buf.zero_()
