@@ -6,6 +6,14 @@ from .config import Profile
 from .errors import NotCapturableError
 
 
+def check_whole_step(world: int) -> None:
+    """`--scopes step` is one process only: FSDP2's collectives run outside graphs."""
+    if world > 1:
+        raise NotCapturableError("--scopes step: the whole step cannot be one graph on several "
+                                 "processes (FSDP2's all-gathers and reduce-scatters run outside "
+                                 "graphs); use --scopes attn,moe")
+
+
 def check_capturable(prof: Profile, pool: str | None = None) -> None:
     run = prof.run
     if run.activation_checkpointing:

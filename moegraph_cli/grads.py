@@ -44,6 +44,11 @@ def sink(p: torch.Tensor, on: bool = True) -> None:
     setattr(p, _ATTR, on)
 
 
+def marked(p: torch.Tensor | None) -> bool:
+    """`p` was marked a sink (its `.grad` may not exist yet)."""
+    return p is not None and getattr(p, _ATTR, False)
+
+
 def is_sink(p: torch.Tensor) -> bool:
     return getattr(p, _ATTR, False) and p.grad is not None
 
@@ -120,6 +125,6 @@ class _Through(torch.autograd.Function):
 def through(p: torch.Tensor) -> torch.Tensor:
     """`p` itself for the forward; the gradient reaching it is deposited (sinks) or returned.
     A plain parameter passes untouched (no autograd node)."""
-    if not getattr(p, _ATTR, False) or not torch.is_grad_enabled():
+    if not marked(p) or not torch.is_grad_enabled():
         return p
     return _Through.apply(p)

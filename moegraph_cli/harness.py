@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .capability import check_whole_step
 from .errors import NotCapturableError
 from .graphs import GraphSession, ScopeSpec
 from .graphs.step import StepGraph
@@ -59,10 +60,7 @@ def build_session(model, scopes: list[str], pool: str, plan=None, rt=None,
 def step_graph(trainer, rt=None) -> StepGraph:
     """The whole step of `trainer` (micro-batches' forward and backward, then the optimizer)
     as one graph; refused, with the reason, where it cannot be captured whole."""
-    if rt is not None and rt.world > 1:
-        raise NotCapturableError(
-            "--scopes step: the whole step cannot be one graph on several processes (FSDP2's "
-            "all-gathers and reduce-scatters run outside graphs); use --scopes attn,moe")
+    check_whole_step(1 if rt is None else rt.world)
     if trainer is None or not hasattr(trainer.optimizer, "warm_up"):
         raise NotCapturableError("--scopes step needs the flat AdamW (its learning rate and "
                                  "step count live on the device)")
@@ -80,7 +78,7 @@ def capture_into(model, session, input_ids: torch.Tensor, rt=None, grad_accum: i
     Distributed: install only if every rank captured; a rank whose capture succeeded rolls
     back when another's failed, so all ranks go on eagerly together. A whole-step graph
     captures the step's whole batch."""
-    if getattr(session, "whole_step", False):
+    if session.whole_step:
         ok = session.capture(input_ids)
         if ok:
             session.install()
@@ -112,7 +110,7 @@ class GraphTrainer(Trainer):
             self.session.new_step()
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.session is not None and getattr(self.session, "whole_step", False):
+        if self.session is not None and self.session.whole_step:
             return self.session(input_ids)[0]
         return super().step(input_ids)
 

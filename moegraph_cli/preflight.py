@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .capability import check_capturable
+from .capability import check_capturable, check_whole_step
 from .errors import UsageError
 from .runspec import RunSpec
 
@@ -39,11 +39,8 @@ def check_inputs(spec: RunSpec, plan_file: str | None = None, memory_limit: str 
     if world > 1 and run.grad_accum > 1:
         raise UsageError("run.grad_accum > 1 runs in one process only for now; on several "
                          "processes raise run.batch instead")
-    if world > 1 and "step" in run.scopes:
-        from .errors import NotCapturableError
-        raise NotCapturableError("--scopes step: the whole step cannot be one graph on several "
-                                 "processes (FSDP2's collectives run outside graphs); use "
-                                 "--scopes attn,moe")
+    if "step" in run.scopes:
+        check_whole_step(world)
     if run.data:
         from .train import check_token_file
         check_token_file(run.data, prof.model.vocab_size,

@@ -44,6 +44,7 @@ class ScopeSpec:
 
 
 class GraphSession:
+    whole_step = False  # graphs/step.StepGraph is the whole-step counterpart
     def __init__(self, specs: list[ScopeSpec], strategy: str = "shared",
                  groups: dict[str, str | None] | None = None, warmup_iters: int = 3,
                  backend=None, moving=None, agree=None, accumulate: bool = False):

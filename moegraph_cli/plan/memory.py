@@ -259,8 +259,7 @@ class StepModel:
         slack = MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT  # the default pool's
         eager = int(eager_dyn * frag) + io + runtime + self.eager_offset + slack
         graph_phase = static + pool_total + eager
-        base_dyn, _ = self._eager_dynamic((False,) * len(self.scopes))
-        eager_phase = static + int(base_dyn * frag) + self.runtime + self.eager_offset + slack
+        eager_phase = self._eager_phase(self._eager_dynamic((False,) * len(self.scopes))[0])
         return Prediction(strategy=strategy, captured=captured,
                           peak=max(graph_phase, eager_phase),
                           graph_phase_peak=graph_phase, eager_phase_peak=eager_phase,
@@ -283,13 +282,18 @@ class StepModel:
         slack = MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT
         eager = self.runtime_graph + self.eager_offset + slack
         graph_phase = static + pool + eager
-        eager_phase = static + int(dyn * frag) + self.runtime + self.eager_offset + slack
+        eager_phase = self._eager_phase(dyn)
         return Prediction(strategy="step", captured=(True,) * len(self.scopes),
                           peak=max(graph_phase, eager_phase), graph_phase_peak=graph_phase,
                           eager_phase_peak=eager_phase, static_bytes=static, eager_peak=eager,
                           pool_bytes=pool, pools={"step": pool}, io_bytes=0,
                           scope_bytes={"step": pool}, worst_moment=f"{where} (in the step pool)",
                           headroom=self.headroom())
+
+    def _eager_phase(self, eager_dynamic: int) -> int:
+        """The peak of the eager steps the capture command runs first (nothing captured)."""
+        return (self.static["total"] + int(eager_dynamic * (1.0 + self.fragmentation))
+                + self.runtime + self.eager_offset + MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT)
 
     def headroom(self) -> int:
         """Under a memory cap the caching allocator must still find the step's largest block
@@ -613,7 +617,7 @@ def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | Non
     from .parallel import Parallel, fsdp_layout, moe_memory_ep, static_per_rank
 
     b = DTYPE_BYTES[prof.run.dtype]
-    T, H, D = prof.run.batch * prof.run.seq_len, prof.model.hidden_size, prof.model.head_dim
+    T, H = prof.run.batch * prof.run.seq_len, prof.model.hidden_size
     if parallel is not None and parallel.single:
         parallel = None
     if parallel is not None and calibration is not None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from ..capability import check_capturable
+from ..capability import check_capturable, check_whole_step
 from ..documents import at, check_format, is_number, read_document, show
 from ..errors import MoegraphError, NotCapturableError, UsageError
 from ..runspec import RunSpec
@@ -316,10 +316,7 @@ def _plan_step(model: StepModel, prof, spec, key, budget_bytes: int, budget_note
                memory_source: str, out: str | None, parallel: Parallel) -> dict:
     """`--scopes step`: price the whole step as one graph; refuse (exit 4) where it cannot be
     captured whole or does not fit the budget, naming why."""
-    if not parallel.single:
-        raise NotCapturableError(
-            "--scopes step: the whole step cannot be one graph on several processes (FSDP2's "
-            "collectives run outside graphs); plan --scopes attn,moe")
+    check_whole_step(parallel.world)
     if out:
         raise UsageError("--out: a whole-step graph has no per-layer choices to write; run "
                          "capture --scopes step (no --plan)")

@@ -38,8 +38,7 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; a sink weight (see grads.py) gets its gradient written by the GEMM."""
-    if not torch.is_grad_enabled() or not (getattr(w, grads._ATTR, False)
-                                           or (b is not None and getattr(b, grads._ATTR, False))):
+    if not torch.is_grad_enabled() or not (grads.marked(w) or grads.marked(b)):
         return F.linear(x, w, b)
     return _Linear.apply(x, w, b)
 
