@@ -130,7 +130,7 @@ def plan_result(r: dict, as_json: bool) -> None:
               + ("" if r.get("saved_ms") is None else f"; saves {r['saved_ms']:.2f} ms/step"),
               markup=False)
     out.print(f"memory: {r.get('memory_model', '?')}, fragmentation "
-              f"{r.get('fragmentation', 0) * 100:.0f}%; savings: {r.get('savings_source', '?')}",
+              f"{r.get('fragmentation', 0) * 100:.0f}%; savings: {r.get('savings_source') or '-'}",
               markup=False)
     for item in r.get("left_out", []):
         out.print(f"left out: {item}", markup=False)

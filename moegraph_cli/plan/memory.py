@@ -297,7 +297,7 @@ class StepModel:
 
     def headroom(self) -> int:
         """Under a memory cap the caching allocator must still find the step's largest block
-        (the fp32 log-softmax [T, V], or one layer's expert weight grad) in one piece, and
+        (the logits [T, V], or one layer's expert weight grad) in one piece, and
         cached, partly used segments can strand about that much: measured on the H200, a
         12-layer Qwen3-30B step whose unconstrained reserved peak was 75.3 GiB ran out of
         memory under a 76.2 GiB cap while allocating its 2.3 GiB log-softmax. A plan keeps
