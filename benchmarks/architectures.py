@@ -1,6 +1,7 @@
 """Every family on the GPU (issue 10): per profile, `verify --lr0` (attn+moe graphs, the
 permute-free experts) in dropless and capacity mode, `verify --reference transformers` on the
-tiny ones, and `capture --scopes attn,moe` eager vs graph with the planner's prediction.
+tiny ones, and `capture --scopes attn,moe` eager vs graph with the planner's prediction, and transformers'
+own step on the same shapes (benchmarks/hf_step.py).
 Each command in a fresh process.
 
 Run: python3 benchmarks/architectures.py --out $OUT/architectures.json
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,8 +21,18 @@ from capture import cli_json  # noqa: E402
 from common import write_records  # noqa: E402
 
 PROFILES = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe",
-            "qwen3-30b-a3b-4layer", "mixtral-8x7b-4layer", "olmoe-1b-7b",
-            "qwen1.5-moe-a2.7b", "qwen2-57b-a14b-4layer"]
+            "tiny-deepseek-v3", "qwen3-30b-a3b-4layer", "mixtral-8x7b-4layer", "olmoe-1b-7b",
+            "qwen1.5-moe-a2.7b", "qwen2-57b-a14b-4layer", "moonlight-16b-a3b-4layer"]
+
+
+def hf_step(profile: str) -> dict:
+    """transformers' own step on the same shapes (benchmarks/hf_step.py, a fresh process)."""
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "hf_step.py"),
+                        "--profile", profile], capture_output=True, text=True, timeout=600)
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return {"error": (p.stderr.strip() or p.stdout.strip())[-400:]}
 
 
 def run_profile(profile: str, steps: int) -> dict:
@@ -48,6 +60,11 @@ def run_profile(profile: str, steps: int) -> dict:
                    eager_peak_reserved=cap["eager"]["peak_reserved"],
                    graph_peak_reserved=cap["graph"]["peak_reserved"],
                    pools=cap.get("pools"), plan=cap.get("plan"))
+    hf = hf_step(profile)
+    rec["transformers"] = {k: hf.get(k) for k in ("step_ms", "peak_reserved",
+                                                   "experts_implementation", "error")}
+    if hf.get("step_ms") and rec.get("graph_ms"):
+        rec["graph_vs_transformers"] = hf["step_ms"] / rec["graph_ms"]
     rec["wall_s"] = round(time.time() - t0, 1)
     return rec
 
