@@ -1,11 +1,14 @@
-"""RouteList construction against a plain-Python oracle, in dropless and capacity modes."""
+"""RouteList construction against a plain-Python oracle, in dropless and capacity modes; the
+counting-sort kernels (interpreter) against the torch reference (stable sort), bit for bit."""
 
 import pytest
 import torch
 from routing_cases import make_routing
 
 from moegraph_cli.moe.routing import capacity_keep_TK, expert_capacity
-from moegraph_kernels.route_align import build_route_list, num_slots
+from moegraph_kernels.route_align import build_route_list, build_route_list_ref, num_slots
+
+IMPLS = ["reference", "triton"]
 
 
 def oracle(ids_TK, w_TK, E, BM, capacity):
@@ -53,15 +56,16 @@ CASES = [  # (routing, T, k, E, BM)
 ]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("capacity_factor", [None, 0.5, 1.0, 1.25])
 @pytest.mark.parametrize("kind,T,k,E,BM", CASES)
-def test_route_list_matches_oracle(kind, T, k, E, BM, capacity_factor):
+def test_route_list_matches_oracle(kind, T, k, E, BM, capacity_factor, impl):
     ids, w = make_routing(kind, T, k, E, seed=T + k + E)
     keep, cap = None, None
     if capacity_factor is not None:
         cap = expert_capacity(T, k, E, capacity_factor)
         keep = capacity_keep_TK(ids, w, E, cap)
-    rl = build_route_list(ids, E, BM, keep, cap)
+    rl = build_route_list(ids, E, BM, keep, cap, impl=impl)
     want = oracle(ids, w, E, BM, cap)
     for name, expected in want.items():
         got = getattr(rl, name)
@@ -78,26 +82,28 @@ def test_route_list_matches_oracle(kind, T, k, E, BM, capacity_factor):
         assert torch.equal(rl.token_slots >= 0, keep)
 
 
-def test_capacity_drops_lowest_weight_and_higher_token_on_ties():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_capacity_drops_lowest_weight_and_higher_token_on_ties(impl):
     # Expert 0 gets four routes of equal weight and capacity 2: tokens 0 and 1 keep theirs.
     ids = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 1]])
     w = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]])
     keep = capacity_keep_TK(ids, w, 4, 2)
-    rl = build_route_list(ids, 4, 4, keep, 2)
+    rl = build_route_list(ids, 4, 4, keep, 2, impl=impl)
     assert rl.token_slots[:, 0].tolist() == [0, 1, -1, -1]
     assert int(rl.num_dropped) == 2
     # A strictly heavier route wins over a lower token.
     w[3, 0] = 0.9
     keep = capacity_keep_TK(ids, w, 4, 2)
-    rl = build_route_list(ids, 4, 4, keep, 2)
+    rl = build_route_list(ids, 4, 4, keep, 2, impl=impl)
     assert rl.token_slots[:, 0].tolist() == [0, -1, -1, 1]
     assert rl.slot_token[:4].tolist() == [0, 3, 4, 4]
 
 
-def test_padding_slots_carry_sentinels_and_real_slots_are_a_bijection():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_slots_carry_sentinels_and_real_slots_are_a_bijection(impl):
     T, k, E, BM = 37, 3, 6, 8
     ids, _ = make_routing("zipf", T, k, E, seed=3)
-    rl = build_route_list(ids, E, BM)
+    rl = build_route_list(ids, E, BM, impl=impl)
     real = rl.token_slots.reshape(-1).long()
     assert real.unique().numel() == T * k
     pad = torch.ones(rl.num_slots, dtype=torch.bool)
@@ -109,3 +115,77 @@ def test_padding_slots_carry_sentinels_and_real_slots_are_a_bijection():
     assert (e_of_slot[real].view(T, k) == ids.int()).all()
     assert (rl.block_expert[int(rl.num_padded) // BM:] == -1).all()
     assert (rl.block_expert[:int(rl.num_padded) // BM] >= 0).all()
+
+
+def assert_same_route_list(got, want):
+    """Every field equal: dtype, shape and each value (the slot order included)."""
+    assert got.block_m == want.block_m
+    for name in want._fields[:-1]:
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), name
+
+
+def _random_dispatch(gen, T, k, E, mode):
+    """(ids, keep, capacity, max_kept) for a dispatch mode, with distinct experts per token."""
+    ids = torch.argsort(torch.rand(T, E, generator=gen), dim=-1)[:, :k]
+    if torch.rand(1, generator=gen).item() < 0.3:  # a hot expert: most tokens pick expert 0
+        hot = (torch.rand(T, generator=gen) < 0.8) & ~(ids == 0).any(-1)
+        ids[hot, 0] = 0
+    w = torch.softmax(torch.randn(T, k, generator=gen), dim=-1)
+    if mode == "dropless":
+        return ids, None, None, None
+    if mode == "capacity":
+        factor = [0.25, 0.5, 1.0, 2.0][int(torch.randint(4, (1,), generator=gen))]
+        cap = expert_capacity(T, k, E, factor)
+        return ids, capacity_keep_TK(ids, w, E, cap), cap, None
+    keep = torch.rand(T, k, generator=gen) < 0.6  # dropless with a mask (expert parallelism)
+    return ids, keep, None, int(keep.sum()) + int(torch.randint(3, (1,), generator=gen))
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capacity", "masked"])
+def test_counting_sort_equals_stable_sort_on_random_cases(mode):
+    """Sizes cross the interpreter's chunk (16 routes) and scan tile (4 chunks) bounds; E not
+    a power of two, E above 16 (two expert lanes blocks), k == E, one token, BM not a power
+    of two."""
+    gen = torch.Generator().manual_seed({"dropless": 1, "capacity": 2, "masked": 3}[mode])
+    sizes = [(1, 1, 1, 4), (1, 3, 3, 16), (5, 4, 4, 4), (17, 2, 3, 8), (33, 2, 7, 16),
+             (64, 4, 13, 16), (70, 3, 24, 12), (96, 8, 40, 8), (129, 2, 5, 32),
+             (50, 6, 67, 16), (200, 1, 2, 16), (31, 5, 5, 2)]
+    for T, k, E, BM in sizes:
+        ids, keep, cap, max_kept = _random_dispatch(gen, T, k, E, mode)
+        want = build_route_list_ref(ids, E, BM, keep, cap, max_kept)
+        got = build_route_list(ids, E, BM, keep, cap, max_kept, impl="triton")
+        assert_same_route_list(got, want)
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_counting_sort_every_route_to_one_expert_and_int32_ids(mode):
+    T, k, E, BM = 45, 1, 9, 8
+    ids = torch.full((T, k), 6, dtype=torch.int32)
+    keep, cap = None, None
+    if mode == "capacity":
+        cap = 10
+        keep = capacity_keep_TK(ids.long(), torch.ones(T, k), E, cap)
+    want = build_route_list_ref(ids, E, BM, keep, cap)
+    got = build_route_list(ids, E, BM, keep, cap, impl="triton")
+    assert_same_route_list(got, want)
+    assert got.expert_counts.tolist() == [0] * 6 + [T if cap is None else cap] + [0] * 2
+
+
+def test_counting_sort_every_route_dropped():
+    T, k, E, BM = 20, 2, 4, 8
+    ids, _ = make_routing("uniform", T, k, E, seed=5)
+    keep = torch.zeros(T, k, dtype=torch.bool)
+    for cap, max_kept in [(3, None), (None, 0), (None, None)]:
+        want = build_route_list_ref(ids, E, BM, keep, cap, max_kept)
+        got = build_route_list(ids, E, BM, keep, cap, max_kept, impl="triton")
+        assert_same_route_list(got, want)
+        assert (got.token_slots == -1).all() and int(got.num_dropped) == T * k
+        assert (got.block_expert == -1).all()
+
+
+def test_unknown_impl_is_refused():
+    ids, _ = make_routing("uniform", 4, 2, 4)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        build_route_list(ids, 4, 8, impl="cub")

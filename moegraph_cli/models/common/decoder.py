@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import grads
 from ...config import DEFAULT_PROFILE, ModelConfig, MoeConfig, load_profile, read_hf_config
 from ...loss import causal_shift, linear_cross_entropy
 from ...moe.routing import aux_loss_from_stats
+from .embedding import embedding
 from .linear import linear
 from .norm import RMSNorm
 from .rope import rope_cos_sin
@@ -149,7 +149,7 @@ class MoeCausalLM(nn.Module):
         fp32 cross-entropy without fp32 [tokens, vocab] logits) plus the weighted aux loss.
         `keep_logits=False` (the trainers): the loss's backward overwrites the logits' buffer
         with their gradient, and no logits are returned."""
-        x_BSH = F.embedding(input_ids, grads.through(self.embed_tokens.weight))
+        x_BSH = embedding(input_ids, self.embed_tokens.weight)
         self.rope_tables(input_ids.shape[1], x_BSH.dtype, x_BSH.device)
         aux_stats: list[torch.Tensor] = []
         for layer in self.layers:
