@@ -22,7 +22,7 @@ from common import write_records  # noqa: E402
 
 PROFILES = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe",
             "tiny-deepseek-v3", "qwen3-30b-a3b-4layer", "mixtral-8x7b-4layer", "olmoe-1b-7b",
-            "qwen1.5-moe-a2.7b", "qwen2-57b-a14b-4layer", "moonlight-16b-a3b-4layer"]
+            "qwen1.5-moe-a2.7b", "qwen1.5-moe-a2.7b-4layer", "qwen2-57b-a14b-4layer", "moonlight-16b-a3b-4layer"]
 
 
 def hf_step(profile: str) -> dict:

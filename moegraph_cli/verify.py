@@ -53,6 +53,20 @@ def _grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> tuple[float, str]:
     return worst, where
 
 
+class _Released:
+    """What verify still reads from a session it has torn down: the backend's name."""
+
+    class _Backend:
+        def __init__(self, name: str):
+            self.name = name
+
+    def __init__(self, backend_name: str):
+        self.backend = self._Backend(backend_name)
+
+    def uninstall(self) -> None:
+        pass
+
+
 def _free_memory(device: torch.device) -> float:
     if device.type != "cuda":
         return float("inf")
@@ -121,7 +135,11 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
             saved = {n: _local(p.grad).detach().to("cpu")
                      for n, p in graph_model.named_parameters()}
             stats = session.stats()
+            # Drop every reference to the graphs and their pools (the session is kept only as
+            # a name below) so the eager model gets their memory back.
             session.uninstall()
+            graph_trainer.session = None
+            session = _Released(session.backend.name)
             del graph_model, graph_trainer
             gc.collect()
             torch.cuda.empty_cache()
