@@ -5,12 +5,16 @@ F ffn width, E experts; all tensors row-major with a contiguous last dimension):
 - `fc1_swiglu`: Y1[s] = X[slot_token[s]] @ w_gate_up[e(s)]^T  ->  Y1 [S, 2F] (input dtype), and
   in the same epilogue A[s] = silu(g) * u * p  ->  A [S, F]. X [T, H], w_gate_up [E, 2F, H].
   One program owns matching column tiles of gate (columns n) and up (columns F + n).
+  Optional (constexpr, no cost when off): a bias b [E, 2F] added to the fp32 accumulator of
+  real rows before Y1 is rounded (HAS_BIAS), and the clamped SwiGLU of gated_act.py (CLAMPED).
 - `slot_gemm`: C[s] = A[s] @ w[e(s)]^T (w [E, N, K], FC2) or A[s] @ w[e(s)] (w [E, K, N], dX
-  of FC1); A [S, K] is read in slot order, no gather.
+  of FC1); A [S, K] is read in slot order, no gather. Optional (HAS_BIAS, FC2): C[s] +=
+  p(s) * b[e(s)] in fp32 before the rounding, p(s) the slot's route weight (0 for padding).
 - `dact_swiglu`: dA[s] = dOut[slot_token[s]] @ w_down[e(s)] (w_down [E, H, F]) with the
   activation backward in the epilogue: writes dY1 [S, 2F], the recomputed A [S, F] (for the
   dW_down wgrad) and dp_part [S, cdiv(F, BN)] fp32, the per-column-tile partial sums of
-  d(route probability); the caller reduces its rows in a fixed order (no atomics).
+  d(route probability); the caller reduces its rows in a fixed order (no atomics). CLAMPED
+  picks the clamped SwiGLU backward.
 Sentinel and padding rules: a padding slot (slot_token == T, slot_route == T*k) reads its
 gathered row as zeros through the load mask (never a real row) and its probability as 0, so
 every row of a live block is written with finite values (zeros for padding slots). Blocks with
@@ -53,9 +57,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from . import tma
-from .gated_act import swiglu_backward, swiglu_forward
+from .gated_act import gated_backward, gated_forward
 from .route_align import RouteList
 
 # Persistent launches list the live M blocks LIST_CHUNK blocks at a time (LIST_CHUNK_WS when
@@ -286,10 +291,12 @@ def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
 def _fc1_swiglu_tile(
     pid_m, pid_n, expert,
     x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr,
+    bias_ptr, alpha, limit,
     num_tokens, num_routes, ffn, hidden,
-    stride_xt, stride_we, stride_wn, stride_y1, stride_act,
+    stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -310,12 +317,18 @@ def _fc1_swiglu_tile(
         w_desc, expert * 2 * ffn + pid_n * BLOCK_N, 0, ffn,
         BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=True, B_TMA=USE_TMA, B_NK=True)
 
+    if HAS_BIAS:  # b_gate_up[e] in fp32 into the accumulator; padding rows stay zero
+        b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + offs_n
+        b_g = tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+        b_u = tl.load(b_ptrs + ffn, mask=n_ok, other=0.0).to(tl.float32)
+        acc_g += tl.where(row_ok[:, None], b_g[None, :], 0.0)
+        acc_u += tl.where(row_ok[:, None], b_u[None, :], 0.0)
     # Round g and u to the stored dtype first: backward recomputes A from the stored Y1.
     g = acc_g.to(y1_ptr.dtype.element_ty)
     u = acc_u.to(y1_ptr.dtype.element_ty)
     route = tl.load(slot_route_ptr + offs_m)
     p = tl.load(weights_ptr + route, mask=route < num_routes, other=0.0).to(tl.float32)
-    act = swiglu_forward(g.to(tl.float32), u.to(tl.float32), p[:, None])
+    act = gated_forward(g.to(tl.float32), u.to(tl.float32), p[:, None], alpha, limit, CLAMPED)
     rows = offs_m.to(tl.int64)[:, None]
     out_mask = n_ok[None, :]
     y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
@@ -328,13 +341,13 @@ def _fc1_swiglu_tile(
 @triton.jit
 def _fc1_swiglu_kernel(
     x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr, slot_route_ptr, block_expert_ptr,
-    live_list_ptr, y1_ptr, act_ptr,
+    live_list_ptr, y1_ptr, act_ptr, bias_ptr, alpha, limit,
     num_tokens, num_routes, num_slots, ffn, hidden,
-    stride_xt, stride_we, stride_wn, stride_y1, stride_act,
+    stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
     ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-    LIST_CHUNK: tl.constexpr,
+    LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -349,10 +362,10 @@ def _fc1_swiglu_kernel(
                                                    num_pid_n, GROUP_M)
             _fc1_swiglu_tile(
                 pid_m, pid_n, expert, x_ptr, w_ptr, w_desc, weights_ptr,
-                slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr,
+                slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr, bias_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden,
-                stride_xt, stride_we, stride_wn, stride_y1, stride_act,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+                stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED)
     else:
         pid_m, pid_n = grouped_pid(tl.program_id(0), num_blocks, num_pid_n, GROUP_M)
         expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
@@ -360,9 +373,10 @@ def _fc1_swiglu_kernel(
             return
         _fc1_swiglu_tile(
             pid_m, pid_n, expert, x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr,
-            slot_route_ptr, y1_ptr, act_ptr, num_tokens, num_routes, ffn, hidden,
-            stride_xt, stride_we, stride_wn, stride_y1, stride_act,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+            slot_route_ptr, y1_ptr, act_ptr, bias_ptr, alpha, limit,
+            num_tokens, num_routes, ffn, hidden,
+            stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,8 +388,9 @@ def _slot_gemm_tile(
     pid_m, pid_n, expert,
     a_ptr, a_desc, w_ptr, w_desc, c_ptr, N, K,
     stride_a, stride_we, stride_w, stride_c,
+    bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
     W_NK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -413,6 +428,12 @@ def _slot_gemm_tile(
         if not USE_TMA:
             a_ptrs += BLOCK_K
             w_ptrs += w_step
+    if HAS_BIAS:  # FC2: p * b_down[e] in fp32 before the one rounding (p = 0 on padding)
+        route = tl.load(slot_route_ptr + offs_m)
+        p = tl.load(weights_ptr + route, mask=route < num_routes, other=0.0).to(tl.float32)
+        b = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok,
+                    other=0.0).to(tl.float32)
+        acc += p[:, None] * b[None, :]
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[None, :])
 
@@ -422,11 +443,12 @@ def _slot_gemm_kernel(
     a_ptr, a_desc, w_ptr, w_desc, c_ptr, block_expert_ptr, live_list_ptr,
     num_slots, N, K,
     stride_a, stride_we, stride_w, stride_c,
+    bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
     W_NK: tl.constexpr, ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, LIST_CHUNK: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -442,7 +464,9 @@ def _slot_gemm_kernel(
                                                        num_pid_n, GROUP_M)
                 _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr,
                                 N, K, stride_a, stride_we, stride_w, stride_c,
-                                W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+                                bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
+                                W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA,
+                                HAS_BIAS)
         else:
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                                  flatten=FLATTEN):
@@ -450,7 +474,9 @@ def _slot_gemm_kernel(
                                                        num_pid_n, GROUP_M)
                 _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr,
                                 N, K, stride_a, stride_we, stride_w, stride_c,
-                                W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+                                bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
+                                W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA,
+                                HAS_BIAS)
     else:
         pid_m, pid_n = grouped_pid(tl.program_id(0), num_blocks, num_pid_n, GROUP_M)
         expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
@@ -458,7 +484,8 @@ def _slot_gemm_kernel(
             return
         _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr, N, K,
                         stride_a, stride_we, stride_w, stride_c,
-                        W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+                        bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
+                        W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,11 +496,11 @@ def _slot_gemm_kernel(
 def _dact_swiglu_tile(
     pid_m, pid_n, expert,
     dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
-    dy1_ptr, act_ptr, dp_ptr,
+    dy1_ptr, act_ptr, dp_ptr, alpha, limit,
     num_tokens, num_routes, ffn, hidden,
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -502,8 +529,8 @@ def _dact_swiglu_tile(
     u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
     route = tl.load(slot_route_ptr + offs_m)
     p = tl.load(weights_ptr + route, mask=route < num_routes, other=0.0).to(tl.float32)
-    dg, du, dp_part = swiglu_backward(da, g, u, p[:, None])
-    act = swiglu_forward(g, u, p[:, None])
+    dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
+    act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
     out_mask = n_ok[None, :]
     dy1_ptrs = dy1_ptr + rows * stride_dy1 + offs_n[None, :]
     tl.store(dy1_ptrs, dg.to(dy1_ptr.dtype.element_ty), mask=out_mask)
@@ -516,13 +543,13 @@ def _dact_swiglu_tile(
 @triton.jit
 def _dact_swiglu_kernel(
     dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
-    block_expert_ptr, live_list_ptr, dy1_ptr, act_ptr, dp_ptr,
+    block_expert_ptr, live_list_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
     num_tokens, num_routes, num_slots, ffn, hidden,
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-    LIST_CHUNK: tl.constexpr,
+    LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -537,10 +564,10 @@ def _dact_swiglu_kernel(
                                                    num_pid_n, GROUP_M)
             _dact_swiglu_tile(
                 pid_m, pid_n, expert, dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr,
-                slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr,
+                slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED)
     else:
         pid_m, pid_n = grouped_pid(tl.program_id(0), num_blocks, num_pid_n, GROUP_M)
         expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
@@ -548,10 +575,10 @@ def _dact_swiglu_kernel(
             return
         _dact_swiglu_tile(
             pid_m, pid_n, expert, dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr,
-            slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr,
+            slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,7 +625,7 @@ def _with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: 
     """launch(cfg), or launch(pointer-path cfg) where cfg's variant failed on this GPU."""
     base = cfg._replace(tma=False, persistent=False, warp_specialize=False)
     if cfg == base or device.type != "cuda" or not FALLBACK_ON_ERROR:
-        return launch(cfg)
+        return _fitted(name, cfg, shape_key, launch) if device.type == "cuda" else launch(cfg)
     key = (name, cfg, shape_key)
     if key not in _FAILED_VARIANTS:
         try:
@@ -608,23 +635,48 @@ def _with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: 
             _FAILED_VARIANTS[key] = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
             warnings.warn(f"{name}: the {cfg.variant} variant of {tuple(cfg)[:6]} failed "
                           f"({_FAILED_VARIANTS[key]}); using the pointer path", RuntimeWarning)
-    out = launch(base)
+    out = _fitted(name, base, shape_key, launch)
     LAST_PLAN[name] = LAST_PLAN[name]._replace(fallback=_FAILED_VARIANTS[key])
     return out
 
 
+_FITTED_STAGES: dict = {}  # (name, cfg, shape_key) -> the stage count that fits
+
+
+def _fitted(name: str, cfg: GemmConfig, shape_key: tuple, launch):
+    """launch(cfg), with fewer pipeline stages where the GPU's shared memory cannot hold
+    cfg's (the tiles are chosen for 2-byte operands; fp32 ones need twice the bytes a
+    stage). The same shapes always get the same stage count, so results stay repeatable."""
+    key = (name, cfg, shape_key)
+    stages = _FITTED_STAGES.get(key, cfg.num_stages)
+    while True:
+        try:
+            out = launch(cfg._replace(num_stages=stages))
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            continue
+        _FITTED_STAGES[key] = stages
+        return out
+
+
 def fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes: RouteList, y1_out, act_out,
-               cfg: GemmConfig | None = None):
-    """Fill y1_out [S, 2F] and act_out [S, F] (live blocks only); see the module docstring."""
+               cfg: GemmConfig | None = None, *, bias_EF2=None, clamp=None):
+    """Fill y1_out [S, 2F] and act_out [S, F] (live blocks only); see the module docstring.
+    `bias_EF2` [E, 2F] ([gate | up] halves, any float dtype) is added in fp32 to the
+    accumulator before Y1 is rounded; `clamp` = (alpha, limit) picks the clamped SwiGLU."""
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
     cfg = cfg or fc1_config(ffn, routes.block_m, x_TH.device)
     return _with_fallback(
         "fc1", cfg, x_TH.device, (x_TH.dtype, routes.block_m, hidden, ffn),
-        lambda c: _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, c))
+        lambda c: _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, c,
+                              bias_EF2, clamp))
 
 
-def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cfg):
+def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cfg,
+                bias_EF2=None, clamp=None):
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
     w_desc = None
@@ -635,27 +687,39 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
     _fc1_swiglu_kernel[grid](
         x_TH, w_gate_up_EFH, w_gate_up_EFH if w_desc is None else w_desc, topk_weights_N,
         routes.slot_token, routes.slot_route, routes.block_expert, live_list, y1_out, act_out,
+        x_TH if bias_EF2 is None else bias_EF2, *_act_scalars(clamp),
         num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
         x_TH.stride(0), w_gate_up_EFH.stride(0), w_gate_up_EFH.stride(1), y1_out.stride(0),
-        act_out.stride(0),
+        act_out.stride(0), 0 if bias_EF2 is None else bias_EF2.stride(0),
         ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
-        EVEN_N=ffn % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
+        CLAMPED=clamp is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta)
     return y1_out, act_out
 
 
-def slot_gemm(a_SK, w_E, routes: RouteList, out, w_nk: bool, cfg: GemmConfig | None = None):
-    """out[s] = a[s] @ w[e(s)]^T if w_nk (w [E, N, K]) else a[s] @ w[e(s)] (w [E, K, N])."""
+def _act_scalars(clamp):
+    """(alpha, limit) as the kernels' fp32 scalars; placeholders when not clamped (unused)."""
+    return (1.0, 1.0) if clamp is None else (float(clamp[0]), float(clamp[1]))
+
+
+def slot_gemm(a_SK, w_E, routes: RouteList, out, w_nk: bool, cfg: GemmConfig | None = None,
+              *, bias_EN=None, topk_weights_N=None):
+    """out[s] = a[s] @ w[e(s)]^T if w_nk (w [E, N, K]) else a[s] @ w[e(s)] (w [E, K, N]).
+    With `bias_EN` [E, N] (FC2's b_down; needs `topk_weights_N`), out[s] += p(s) * bias[e(s)]
+    in fp32 before the rounding; p(s) = topk_weights_N[slot_route[s]], 0 for padding."""
     k_dim = a_SK.shape[1]
     n = w_E.shape[1] if w_nk else w_E.shape[2]
+    if bias_EN is not None and topk_weights_N is None:
+        raise ValueError("slot_gemm: bias_EN needs topk_weights_N (the bias is scaled by p)")
     cfg = cfg or slot_gemm_config(n, routes.block_m, a_SK.device)
     return _with_fallback(
         "fc2" if w_nk else "dx", cfg, a_SK.device, (a_SK.dtype, routes.block_m, k_dim, n),
-        lambda c: _slot_gemm(a_SK, w_E, routes, out, w_nk, c))
+        lambda c: _slot_gemm(a_SK, w_E, routes, out, w_nk, c, bias_EN, topk_weights_N))
 
 
-def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg):
+def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=None):
     k_dim = a_SK.shape[1]
     n = w_E.shape[1] if w_nk else w_E.shape[2]
     a_desc = w_desc = None
@@ -667,13 +731,19 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg):
         if w_desc is not None:
             a_desc = tma.descriptor(a_SK, (cfg.block_m, cfg.block_k))
     use_tma = w_desc is not None
-    grid, live_list, meta, plan = _plan(routes, cfg, n, a_SK.device, use_tma, ws_ok=use_tma)
+    # The bias epilogue's pointer loads would break warp specialization (TMA loads only).
+    grid, live_list, meta, plan = _plan(routes, cfg, n, a_SK.device, use_tma,
+                                        ws_ok=use_tma and bias_EN is None)
     LAST_PLAN["fc2" if w_nk else "dx"] = plan
     _slot_gemm_kernel[grid](
         a_SK, a_desc if use_tma else a_SK, w_E, w_desc if use_tma else w_E, out,
         routes.block_expert, live_list, routes.num_slots, n, k_dim,
         a_SK.stride(0), w_E.stride(0), w_E.stride(1), out.stride(0),
-        W_NK=w_nk, ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        a_SK if bias_EN is None else bias_EN,
+        a_SK if bias_EN is None else topk_weights_N, routes.slot_route,
+        0 if bias_EN is None else topk_weights_N.numel(),
+        0 if bias_EN is None else bias_EN.stride(0),
+        HAS_BIAS=bias_EN is not None, W_NK=w_nk, ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k_dim % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0, WARP_SPECIALIZE=plan.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
@@ -686,8 +756,10 @@ def dp_tiles(ffn: int, cfg: GemmConfig) -> int:
 
 
 def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
-                dy1_out, act_out, dp_part_out, cfg: GemmConfig | None = None):
-    """Fill dy1_out [S, 2F], act_out [S, F] and dp_part_out [S, dp_tiles] fp32 (live blocks)."""
+                dy1_out, act_out, dp_part_out, cfg: GemmConfig | None = None, *, clamp=None):
+    """Fill dy1_out [S, 2F], act_out [S, F] and dp_part_out [S, dp_tiles] fp32 (live blocks).
+    `clamp` = (alpha, limit) picks the clamped SwiGLU backward. dp_part holds only the
+    activation's share of d(route probability): FC2's bias term is the caller's."""
     num_tokens, hidden = dout_TH.shape
     ffn = w_down_EHF.shape[2]
     cfg = cfg or dact_config(ffn, routes.block_m, dout_TH.device)
@@ -697,11 +769,11 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
     return _with_fallback(
         "dact", cfg, dout_TH.device, (dout_TH.dtype, routes.block_m, hidden, ffn),
         lambda c: _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out,
-                               act_out, dp_part_out, c))
+                               act_out, dp_part_out, c, clamp))
 
 
 def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, act_out,
-                 dp_part_out, cfg):
+                 dp_part_out, cfg, clamp=None):
     num_tokens, hidden = dout_TH.shape
     ffn = w_down_EHF.shape[2]
     w_desc = None
@@ -713,12 +785,12 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
     _dact_swiglu_kernel[grid](
         dout_TH, w_down_EHF, w_down_EHF if w_desc is None else w_desc, y1_S2F, topk_weights_N,
         routes.slot_token, routes.slot_route, routes.block_expert, live_list, dy1_out,
-        act_out, dp_part_out,
+        act_out, dp_part_out, *_act_scalars(clamp),
         num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
         dout_TH.stride(0), w_down_EHF.stride(0), w_down_EHF.stride(1), y1_S2F.stride(0),
         dy1_out.stride(0), act_out.stride(0), dp_part_out.stride(0),
         ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
-        EVEN_N=ffn % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **meta)
+        EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **meta)
     return dy1_out, act_out, dp_part_out

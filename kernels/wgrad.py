@@ -17,9 +17,19 @@ Layout contract (S slots, E experts, see route_align.py):
   expert's tiles are then left as they were (plus exact zeros).
 - Programs run expert-major; within an expert, tiles are grouped GROUP_M rows at a time so the
   expert's L and R rows are reused from L2. The sum order is fixed: bitwise repeatable.
+
+Bias gradients (`expert_bias_grad`), the same ownership and the same slot range:
+db[e, n] = sum over the real slots s of expert e of scale(s) * R[row_R(s), n], with scale 1
+(db_gate_up: R = dY1 in slot order) or the slot's route weight p (db_down: R = dOut gathered).
+One program owns one [BLOCK_N] column tile of one expert, loops over that expert's slots in
+order and reduces once at the end: no atomics, bitwise repeatable; padding slots and dead
+blocks are never read; an empty expert gets exact zeros; `accumulate` as above. The
+reference is autograd through moe/reference.py's bias terms.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -29,9 +39,22 @@ from .gather_gemm import GemmConfig, grouped_pid
 from .route_align import RouteList
 
 
-def wgrad_config(n: int, device: torch.device) -> GemmConfig:
+def wgrad_config(n: int, device: torch.device,
+                 routes_per_expert: float | None = None) -> GemmConfig:
+    """The dW tile for an N-wide weight. `routes_per_expert` (T * k / E, known on the host)
+    says how long the K loops are: at most 128 slots an expert is the short-loop regime,
+    with its own tile, which `MOEGRAPH_WGRAD_SHORT` ("bm,bn,bk,group,warps,stages", what
+    benchmarks/wgrad_sweep.py prints) overrides."""
     if device.type != "cuda":
         return GemmConfig(32, 32, 16, 4, 4, 1)
+    if routes_per_expert is not None and routes_per_expert <= 128:
+        # Two K iterations an expert at T = 1024: a deep pipeline only costs shared memory
+        # and occupancy. The H200 sweep (results/wgrad_sweep.json): both dW kernels of a
+        # Qwen3-30B layer 0.645 ms at the long-loop tile below, 0.560 ms at this one.
+        short = os.environ.get("MOEGRAPH_WGRAD_SHORT")
+        if short:
+            return GemmConfig(*(int(v) for v in short.split(",")))
+        return GemmConfig(128, 128, 32, 8, 4, 2)
     # 128 x 128 x 32, 5 stages: 16 KB/stage, 80 KB of shared memory; short K loops (an
     # expert's slot count) favour a moderate tile. The H200 sweep (benchmarks/moe_experts.py
     # --sweep) put it ahead of K tile 64 x 4 stages for both weights (335 vs 329 TFLOP/s).
@@ -100,3 +123,61 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out_EMN
+
+
+@triton.jit
+def _expert_bias_grad_kernel(
+    r_ptr, weights_ptr, db_ptr, slot_token_ptr, slot_route_ptr, expert_start_ptr,
+    expert_count_ptr, N, num_routes, stride_r, stride_dbe,
+    GATHER_R: tl.constexpr, SCALE_BY_P: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    expert = tl.program_id(0) // tiles_n
+    offs_n = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    n_ok = offs_n < N
+    start = tl.load(expert_start_ptr + expert)
+    count = tl.load(expert_count_ptr + expert)
+
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+    for s0 in range(0, count, BLOCK_S):
+        s_ok = offs_s + s0 < count
+        slots = start + s0 + offs_s
+        if GATHER_R:
+            row = tl.load(slot_token_ptr + slots, mask=s_ok, other=0)
+        else:
+            row = slots
+        r = tl.load(r_ptr + row.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
+                    mask=s_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        if SCALE_BY_P:
+            route = tl.load(slot_route_ptr + slots, mask=s_ok, other=num_routes)
+            p = tl.load(weights_ptr + route, mask=route < num_routes, other=0.0)
+            r = r * p.to(tl.float32)[:, None]
+        acc += r
+    db = tl.sum(acc, axis=0)
+
+    db_ptrs = db_ptr + expert.to(tl.int64) * stride_dbe + offs_n
+    if ACCUMULATE:
+        db += tl.load(db_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(db_ptrs, db.to(db_ptr.dtype.element_ty), mask=n_ok)
+
+
+def expert_bias_grad(r_rows, routes: RouteList, out_EN, gather_r: bool,
+                     topk_weights_N=None, accumulate: bool = False):
+    """Fill out_EN [E, N] (every element) with the per-expert bias sums above (scaled by the
+    route weight when `topk_weights_N` is given), or add them to it (`accumulate`)."""
+    num_experts, n = out_EN.shape
+    if r_rows.is_cuda:
+        block_s, block_n, warps = 32, min(256, triton.next_power_of_2(n)), 4
+    else:
+        block_s, block_n, warps = 16, min(32, triton.next_power_of_2(n)), 1
+    grid = (num_experts * triton.cdiv(n, block_n),)
+    scale = topk_weights_N is not None
+    _expert_bias_grad_kernel[grid](
+        r_rows, topk_weights_N if scale else r_rows, out_EN, routes.slot_token,
+        routes.slot_route, routes.expert_starts, routes.expert_counts,
+        n, topk_weights_N.numel() if scale else 0, r_rows.stride(0), out_EN.stride(0),
+        GATHER_R=gather_r, SCALE_BY_P=scale, ACCUMULATE=accumulate, BLOCK_S=block_s,
+        BLOCK_N=block_n, num_warps=warps)
+    return out_EN

@@ -123,11 +123,15 @@ class _Connect(torch.autograd.Function):
 
 def ep_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
            w_gate_up_local: torch.Tensor, w_down_local: torch.Tensor,
-           capacity_factor: float | None, ep: EpGroup, experts) -> tuple[torch.Tensor,
-                                                                      torch.Tensor]:
+           capacity_factor: float | None, ep: EpGroup, experts, *,
+           b_gate_up_local: torch.Tensor | None = None,
+           b_down_local: torch.Tensor | None = None,
+           act=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y_TH, dropped [1] int64) for this rank's tokens. `experts(x, ids, weights, w_gate_up,
     w_down, dispatch)` computes the local experts (reference_experts or permute_free_experts);
-    the expert weights are this rank's slice [E_l, ...]."""
+    the expert weights are this rank's slice [E_l, ...], and so are the optional biases, which
+    are passed on (with `act`, an ExpertAct) as the experts' keyword arguments when given.
+    Each route is computed on exactly one rank, so its p * b_down term is counted once."""
     num_tokens, top_k = topk_ids_TK.shape
     # Capacity is decided at the source, over this rank's own tokens (the one-process rule).
     keep_TK, cap, _ = local_dispatch(topk_ids_TK, topk_weights_TK, ep.num_experts,
@@ -151,7 +155,10 @@ def ep_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch
         dispatch = Dispatch(mine_RK, None, received * min(top_k, ep.num_local))
     else:
         dispatch = Dispatch(mine_RK, ep.size * cap, None)
-    partial_RH = experts(x_RH, local_RK, w_RK, w_gate_up_local, w_down_local, dispatch)
+    extras = {name: v for name, v in (("b_gate_up", b_gate_up_local),
+                                      ("b_down", b_down_local), ("act", act)) if v is not None}
+    partial_RH = experts(x_RH, local_RK, w_RK, w_gate_up_local, w_down_local, dispatch,
+                         **extras)
     if torch.is_grad_enabled() and x_RH.requires_grad and not partial_RH.requires_grad:
         partial_RH = _Connect.apply(partial_RH, x_RH, w_RK)
     return _ReturnPartials.apply(partial_RH, ep), dropped

@@ -8,7 +8,14 @@ size follows from T, k, E, H, F and the slot block size), so the whole thing can
 in a CUDA graph and replayed with new routing.
 
 Saved for backward: x, the top-k weights, both weights, Y1 [S, 2F] (the only F-scale tensor)
-and the RouteList. A is recomputed from Y1 by the dA kernel's epilogue.
+and the RouteList (with biases: the biases and the top-k ids too). A is recomputed from Y1 by
+the dA kernel's epilogue.
+
+Biases and the activation (GPT-OSS; see reference.py for the rounding points): b_gate_up rides
+FC1's epilogue, p * b_down FC2's, the clamped SwiGLU the FC1 and dA epilogues. Their
+gradients: db_gate_up[e] = sum of dY1 over e's slots, db_down[e] = sum of p * dOut rows over
+e's slots (kernels/wgrad.expert_bias_grad: one program per column tile, no atomics), and the
+route weight's gradient gains dOut_t . b_down[e] (a [T, E] GEMM, then gathered by the ids).
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from moegraph_kernels.gather_gemm import (GemmConfig, dact_config, dact_swiglu, 
                                           fc1_config, fc1_swiglu, route_block_m, slot_gemm,
                                           slot_gemm_config)
 from moegraph_kernels.route_align import RouteList, build_route_list
-from moegraph_kernels.wgrad import expert_wgrad, wgrad_config
+from moegraph_kernels.wgrad import expert_bias_grad, expert_wgrad, wgrad_config
 
 from .. import grads
+from .activation import SWIGLU, ExpertAct, check_expert_extras
 from .routing import Dispatch, local_dispatch
 
 # Tests set this (through `poisoned_scratch`) to allocate every output and scratch buffer
@@ -77,8 +85,8 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
         fc2=slot_gemm_config(hidden, block, device),
         dact=dact_config(ffn, block, device),
         dx=slot_gemm_config(hidden, block, device),
-        wgrad_down=wgrad_config(ffn, device),
-        wgrad_gate_up=wgrad_config(hidden, device),
+        wgrad_down=wgrad_config(ffn, device, num_routes / num_experts),
+        wgrad_gate_up=wgrad_config(hidden, device, num_routes / num_experts),
     )
     if device.type != "cuda":
         return cfg
@@ -104,16 +112,20 @@ def _route_bound(topk_ids_TK: torch.Tensor, dispatch: Dispatch) -> int:
 
 
 class PermuteFreeMoE(torch.autograd.Function):
-    """Outputs (y_TH, num_dropped [1] int32); differentiable in x, weights and both w."""
+    """Outputs (y_TH, num_dropped [1] int32); differentiable in x, weights, both w and the
+    optional biases."""
 
     @staticmethod
     def forward(ctx, x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                dispatch, configs):
+                dispatch, configs, b_gate_up_EF2=None, b_down_EH=None, act=SWIGLU):
         num_tokens, hidden = x_TH.shape
         num_experts, two_f, _ = w_gate_up_EFH.shape
         ffn = two_f // 2
         dev = x_TH.device
+        check_expert_extras(w_gate_up_EFH, w_down_EHF, b_gate_up_EF2, b_down_EH, act)
         ctx.weights = (w_gate_up_EFH, w_down_EHF)  # the parameters: sinks get dW written
+        ctx.biases = (b_gate_up_EF2, b_down_EH)  # and db
+        ctx.clamp = act.clamp
         if not isinstance(dispatch, Dispatch):  # a capacity factor (or None): decide here
             dispatch = local_dispatch(topk_ids_TK, topk_weights_TK, num_experts, dispatch)
         cfg = configs or tile_configs(_route_bound(topk_ids_TK, dispatch), num_experts, hidden,
@@ -125,15 +137,22 @@ class PermuteFreeMoE(torch.autograd.Function):
         routes = build_route_list(topk_ids_TK, num_experts, cfg.route_block, *dispatch)
         S = routes.num_slots
 
+        b_gate_up_EF2 = None if b_gate_up_EF2 is None else b_gate_up_EF2.contiguous()
+        b_down_EH = None if b_down_EH is None else b_down_EH.contiguous()
+
         y1 = _scratch((S, two_f), x_TH.dtype, dev)
-        act = _scratch((S, ffn), x_TH.dtype, dev)
-        fc1_swiglu(x_TH, w_gate_up_EFH, weights_N, routes, y1, act, cfg.fc1)
-        y2 = slot_gemm(act, w_down_EHF, routes, _scratch((S, hidden), x_TH.dtype, dev),
-                       w_nk=True, cfg=cfg.fc2)
-        del act
+        a_S = _scratch((S, ffn), x_TH.dtype, dev)
+        fc1_swiglu(x_TH, w_gate_up_EFH, weights_N, routes, y1, a_S, cfg.fc1,
+                   bias_EF2=b_gate_up_EF2, clamp=ctx.clamp)
+        y2 = slot_gemm(a_S, w_down_EHF, routes, _scratch((S, hidden), x_TH.dtype, dev),
+                       w_nk=True, cfg=cfg.fc2, bias_EN=b_down_EH, topk_weights_N=weights_N)
+        del a_S
         out = gather_combine(y2, routes.token_slots, _scratch((num_tokens, hidden), x_TH.dtype,
                                                               dev))
-        ctx.save_for_backward(x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, *routes[:-1])
+        # Only dweights reads the ids and b_down (the bias term of dp); saved only with a bias.
+        ids_TK = topk_ids_TK if b_down_EH is not None else None
+        ctx.save_for_backward(x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, ids_TK,
+                              b_down_EH, *routes[:-1])
         ctx.block_m = routes.block_m
         ctx.configs = cfg
         ctx.weights_shape = topk_weights_TK.shape
@@ -142,7 +161,8 @@ class PermuteFreeMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_TH, _grad_dropped):
-        x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, *route_tensors = ctx.saved_tensors
+        (x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, ids_TK, b_down_EH,
+         *route_tensors) = ctx.saved_tensors
         routes = RouteList(*route_tensors, block_m=ctx.block_m)
         cfg = ctx.configs
         num_tokens, hidden = x_TH.shape
@@ -151,12 +171,14 @@ class PermuteFreeMoE(torch.autograd.Function):
         S = routes.num_slots
         dev = x_TH.device
         need_x, _, need_w, need_gu, need_down = ctx.needs_input_grad[:5]
+        need_b_gu, need_b_down = ctx.needs_input_grad[7:9]
         dout_TH = dout_TH.contiguous()
 
         dy1 = _scratch((S, two_f), x_TH.dtype, dev)
         act = _scratch((S, ffn), x_TH.dtype, dev)
         dp_part = _scratch((S, dp_tiles(ffn, cfg.dact)), torch.float32, dev)
-        dact_swiglu(dout_TH, w_down_EHF, y1, weights_N, routes, dy1, act, dp_part, cfg.dact)
+        dact_swiglu(dout_TH, w_down_EHF, y1, weights_N, routes, dy1, act, dp_part, cfg.dact,
+                    clamp=ctx.clamp)
 
         dw_down = None
         if need_down:
@@ -167,9 +189,19 @@ class PermuteFreeMoE(torch.autograd.Function):
             # dp of a slot: its partial sums over F-tiles, reduced in a fixed order.
             dp_S = dp_part.sum(dim=1)
             slots = routes.token_slots.reshape(-1).long()
-            dweights = torch.where(slots >= 0, dp_S[slots.clamp(min=0)], 0.0)
+            dp_N = dp_S[slots.clamp(min=0)]
+            if b_down_EH is not None:
+                # FC2's p * b_down[e]: dp += dOut_t . b_down[e], all experts at once by a
+                # [T, E] GEMM (fp32), then each route's column. Dropped routes masked below.
+                dots_TE = dout_TH.float() @ b_down_EH.float().t()
+                ids = ids_TK.long().clamp(0, num_experts - 1)
+                dp_N = dp_N + dots_TE.gather(1, ids).reshape(-1)
+            dweights = torch.where(slots >= 0, dp_N, 0.0)
             dweights = dweights.to(weights_N.dtype).view(ctx.weights_shape)
         del dp_part
+        db_down = None
+        if need_b_down:
+            db_down = _bias_grad(ctx.biases[1], dout_TH, routes, True, weights_N)
         dx = None
         if need_x:
             dx_S = slot_gemm(dy1, w_gate_up_EFH, routes, _scratch((S, hidden), x_TH.dtype, dev),
@@ -181,7 +213,11 @@ class PermuteFreeMoE(torch.autograd.Function):
         if need_gu:
             dw_gate_up = _wgrad(ctx.weights[0], dy1, x_TH, routes, False, True,
                                 cfg.wgrad_gate_up)
-        return dx, None, dweights, dw_gate_up, dw_down, None, None
+        db_gate_up = None
+        if need_b_gu:
+            db_gate_up = _bias_grad(ctx.biases[0], dy1, routes, False, None)
+        return (dx, None, dweights, dw_gate_up, dw_down, None, None, db_gate_up, db_down,
+                None)
 
 
 def _wgrad(w, l_rows, r_rows, routes, gather_l, gather_r, cfg):
@@ -196,24 +232,40 @@ def _wgrad(w, l_rows, r_rows, routes, gather_l, gather_r, cfg):
     return expert_wgrad(l_rows, r_rows, routes, out, gather_l, gather_r, cfg)
 
 
+def _bias_grad(b, r_rows, routes, gather_r, weights_N):
+    """A bias's gradient (kernels/wgrad.expert_bias_grad): written (or added) into a sink's
+    `.grad` (returns None), else into a fresh buffer that is returned."""
+    where = grads.target(b)
+    if where is not None:
+        out, acc = where
+        expert_bias_grad(r_rows, routes, out, gather_r, weights_N, accumulate=acc)
+        return None
+    out = _scratch(b.shape, b.dtype, r_rows.device)
+    return expert_bias_grad(r_rows, routes, out, gather_r, weights_N)
+
+
 def permute_free_moe_with_drops(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                                capacity_factor=None, configs: TileConfigs | None = None):
+                                capacity_factor=None, configs: TileConfigs | None = None, *,
+                                b_gate_up=None, b_down=None, act: ExpertAct = SWIGLU):
     """(y_TH, num_dropped [1] int32 on the device); `configs` overrides the tile choice."""
     return PermuteFreeMoE.apply(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                                capacity_factor, configs)
+                                capacity_factor, configs, b_gate_up, b_down, act)
 
 
 def permute_free_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                         dispatch: Dispatch) -> torch.Tensor:
+                         dispatch: Dispatch, *, b_gate_up=None, b_down=None,
+                         act: ExpertAct = SWIGLU) -> torch.Tensor:
     """The experts over the routes `dispatch` keeps; reference_experts' contract."""
     return PermuteFreeMoE.apply(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                                dispatch, None)[0]
+                                dispatch, None, b_gate_up, b_down, act)[0]
 
 
 def permute_free_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
                      topk_weights_TK: torch.Tensor, w_gate_up_EFH: torch.Tensor,
-                     w_down_EHF: torch.Tensor, capacity_factor: float | None = None
-                     ) -> torch.Tensor:
+                     w_down_EHF: torch.Tensor, capacity_factor: float | None = None, *,
+                     b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
+                     act: ExpertAct = SWIGLU) -> torch.Tensor:
     """y_TH = sum_j p_tj * expert_{e_tj}(x_t): reference_moe's contract on the Triton kernels."""
     return permute_free_moe_with_drops(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH,
-                                       w_down_EHF, capacity_factor)[0]
+                                       w_down_EHF, capacity_factor, b_gate_up=b_gate_up,
+                                       b_down=b_down, act=act)[0]
