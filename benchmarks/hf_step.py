@@ -2,9 +2,10 @@
 moegraph's capture (benchmarks/architectures.py runs it in a fresh process per profile).
 
 The model is the family's transformers class (config built from the profile's config.json
-fields, random weights, bf16, SDPA attention), experts on `grouped_mm` where the class takes
-`experts_implementation` (else its default), trained with torch's fused AdamW: median step ms
-(fwd + bwd + optimizer) over CUDA events, peak reserved bytes.
+fields, random weights, bf16, SDPA attention or the class's eager attention where it has no
+SDPA), experts on `grouped_mm` where the class takes `experts_implementation` (else its
+default), trained with torch's fused AdamW: median step ms (fwd + bwd + optimizer) over CUDA
+events, peak reserved bytes.
 
 Run: python3 benchmarks/hf_step.py --profile tiny-mixtral
 """
@@ -33,11 +34,19 @@ def hf_model(prof, impl: str | None):
     arch = d["architectures"][0]
     cfg_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     cfg = cfg_class(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
-    kwargs = {"dtype": torch.bfloat16, "attn_implementation": "sdpa"}
+    kwargs = {"dtype": torch.bfloat16}
     if impl is not None:
         kwargs["experts_implementation"] = impl
     with torch.device("cuda"):
-        return getattr(transformers, arch)._from_config(cfg, **kwargs)
+        try:
+            return getattr(transformers, arch)._from_config(cfg, attn_implementation="sdpa",
+                                                            **kwargs)
+        except ValueError as e:
+            if "attention implementation" not in str(e):
+                raise
+            # A class without SDPA (GPT-OSS: its sinks) runs its eager attention.
+            return getattr(transformers, arch)._from_config(cfg, attn_implementation="eager",
+                                                            **kwargs)
 
 
 def main() -> None:

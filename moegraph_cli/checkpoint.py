@@ -23,7 +23,11 @@ offsets, file sizes and the shard index. `load_state_dict` then reads each file 
 order, through `safetensors.safe_open`. Every problem is a one-line `CheckpointError` naming the
 tensor and the file.
 
-A checkpoint holds one floating dtype (F32, BF16 or F16) throughout, as HF writes them.
+A checkpoint holds one floating dtype (F32, BF16 or F16) throughout, as HF writes them. A
+slot with a `layout` (keys.py) is transposed / de-interleaved on load and put back on save.
+Tensors quantised to MXFP4 (`W_blocks` + `W_scales` uint8 in place of W, mxfp4.py; GPT-OSS's
+hub checkpoints, `quantization_config.quant_method` "mxfp4") are dequantised to the load dtype
+while loading; saving always writes unquantised tensors.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from safetensors import SafetensorError, safe_open  # the Rust reader alone: no 
 from .config import ModelConfig
 from .models.common.keys import Slot
 from .errors import EXIT_USAGE, CheckpointError, UsageError
+from .mxfp4 import BLOCKS, SCALES, packed_shapes
 from .outputs import write_atomically
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: reading headers needs none
@@ -89,7 +94,32 @@ def hf_to_moegraph_names(cfg: ModelConfig, fused_layers: Iterable[int] = ()) -> 
 def moegraph_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """moegraph state-dict name -> shape. The fused spelling maps one to one, so it is this."""
     every_layer = range(cfg.num_hidden_layers)
-    return {s.name: s.shape for s in hf_to_moegraph_names(cfg, fused_layers=every_layer).values()}
+    return {s.name: s.target_shape
+            for s in hf_to_moegraph_names(cfg, fused_layers=every_layer).values()}
+
+
+def to_moegraph_layout(t: "torch.Tensor", layout: tuple[str, ...]) -> "torch.Tensor":
+    """A disk tensor in moegraph's layout: `layout`'s steps in order (keys.py)."""
+    for step in layout:
+        if step == "transpose":
+            t = t.transpose(-1, -2)
+        elif step == "deinterleave":
+            t = t.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        else:
+            raise ValueError(f"unknown layout step {step!r}")
+    return t.contiguous() if layout else t
+
+
+def to_hf_layout(t: "torch.Tensor", layout: tuple[str, ...]) -> "torch.Tensor":
+    """A moegraph tensor in its disk layout: `layout`'s steps undone in reverse order."""
+    for step in reversed(layout):
+        if step == "transpose":
+            t = t.transpose(-1, -2)
+        elif step == "deinterleave":
+            t = t.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+        else:
+            raise ValueError(f"unknown layout step {step!r}")
+    return t.contiguous() if layout else t
 
 
 def _config_summary(cfg: ModelConfig) -> str:
@@ -203,6 +233,8 @@ class TensorRead:
     shape: tuple[int, ...]      # shape on disk
     target: str                 # moegraph name
     index: tuple                # where in the target (see Slot)
+    layout: tuple[str, ...] = ()  # disk -> moegraph steps (see Slot)
+    part: str = ""              # MXFP4: "_blocks" or "_scales" of `target` (mxfp4.py)
 
     @property
     def nbytes(self) -> int:
@@ -335,12 +367,16 @@ def plan_load(path: str | os.PathLike, cfg: ModelConfig) -> LoadPlan:
     fused = _fused_layers(disk, cfg)
     table = hf_to_moegraph_names(cfg, fused)
 
-    missing = [k for k in table if k not in disk]
+    # MXFP4: a tensor stored as its blocks and scales (mxfp4.py) in place of itself.
+    packed = {k for k in table if k not in disk and k + BLOCKS in disk and k + SCALES in disk}
+    missing = [k for k in table if k not in disk and k not in packed]
     if missing:
         raise CheckpointError(f"checkpoint: tensor {missing[0]} is missing from {listing}"
                               + _and_more(missing, "missing"))
     tied_head = cfg.tie_word_embeddings and "lm_head.weight" in disk
-    unexpected = [k for k in disk if k not in table and not (tied_head and k == "lm_head.weight")]
+    parts = {k + suffix: k for k in packed for suffix in (BLOCKS, SCALES)}
+    unexpected = [k for k in disk if k not in table and k not in parts
+                  and not (tied_head and k == "lm_head.weight")]
     if unexpected:
         key = unexpected[0]
         raise CheckpointError(f"checkpoint: tensor {key} in {disk[key][0]} is not a parameter of "
@@ -350,14 +386,29 @@ def plan_load(path: str | os.PathLike, cfg: ModelConfig) -> LoadPlan:
     if tied_head:  # accepted and ignored, but only in the shape of the embedding
         expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     for key, shape in expected.items():
+        if key in packed:
+            want = packed_shapes(shape)
+            for suffix, part_shape in zip((BLOCKS, SCALES), want or ()):
+                file, entry = disk[key + suffix]
+                if entry.shape != part_shape or entry.dtype != "U8":
+                    raise CheckpointError(
+                        f"checkpoint: tensor {key + suffix} in {file} is {entry.dtype} "
+                        f"{_shape_str(entry.shape)}, the mxfp4 {suffix[1:]} of {key} "
+                        f"{_shape_str(shape)} are U8 {_shape_str(part_shape)}")
+            if want is None:
+                raise CheckpointError(f"checkpoint: tensor {key} {_shape_str(shape)} cannot be "
+                                      "stored as mxfp4 blocks and scales")
+            continue
         file, entry = disk[key]
         if entry.shape != shape:
             raise CheckpointError(f"checkpoint: tensor {key} in {file} has shape "
                                   f"{_shape_str(entry.shape)}, config says {_shape_str(shape)}")
 
-    first = next(iter(table))
+    first = next(k for k in table if k not in packed)
     ref_file, ref = disk[first]
     for key in table:
+        if key in packed:
+            continue
         file, entry = disk[key]
         if entry.dtype not in LOADABLE_DTYPES:
             raise CheckpointError(f"checkpoint: tensor {key} in {file} has dtype {entry.dtype}; "
@@ -367,10 +418,14 @@ def plan_load(path: str | os.PathLike, cfg: ModelConfig) -> LoadPlan:
                                   f"but {first} in {ref_file} has {ref.dtype}; a checkpoint "
                                   "holds one dtype")
 
-    reads = sorted(
-        (TensorRead(key, disk[key][0], disk[key][1].offsets, disk[key][1].dtype,
-                    disk[key][1].shape, slot.name, slot.index) for key, slot in table.items()),
-        key=lambda r: (r.file, r.offsets))
+    unsorted = []
+    for key, slot in table.items():
+        for name, part in ((key + BLOCKS, BLOCKS), (key + SCALES, SCALES)) if key in packed \
+                else ((key, ""),):
+            file, entry = disk[name]
+            unsorted.append(TensorRead(name, file, entry.offsets, entry.dtype, entry.shape,
+                                       slot.name, slot.index, slot.layout, part))
+    reads = sorted(unsorted, key=lambda r: (r.file, r.offsets))
     return LoadPlan(root=root, files=tuple(dict.fromkeys(r.file for r in reads)),
                     reads=tuple(reads), st_dtype=ref.dtype,
                     shapes=moegraph_shapes(cfg), fused_layers=frozenset(fused))
@@ -399,11 +454,14 @@ def load_state_dict(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtyp
     stacked = {r.target for r in plan.reads if r.index != ()}
     state = {name: torch.empty(plan.shapes[name], dtype=out_dtype, device=device)
              for name in stacked}
+    pending: dict = {}
     for file in plan.files:
         try:
             with safe_open(plan.root / file, framework="pt", device="cpu") as f:
                 for r in plan.reads_of(file):
-                    t = f.get_tensor(r.hf_name)
+                    t = read_tensor(r, f.get_tensor(r.hf_name), pending, out_dtype)
+                    if t is None:  # the first of an MXFP4 pair
+                        continue
                     if r.index == ():
                         state[r.target] = t.to(device=device, dtype=out_dtype)
                     else:
@@ -412,6 +470,22 @@ def load_state_dict(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtyp
             first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointError(f"checkpoint: reading {file} failed: {first_line}") from None
     return {name: state[name] for name in plan.shapes}
+
+
+def read_tensor(r: TensorRead, t: "torch.Tensor", pending: dict,
+                dtype: "torch.dtype") -> "torch.Tensor | None":
+    """Read `r`'s tensor `t` (or rows of it) in moegraph's layout. An MXFP4 part waits in
+    `pending` for its other part (None); with both, the tensor dequantised to `dtype`."""
+    if r.part:
+        from .mxfp4 import dequantize
+
+        parts = pending.setdefault(r.target + str(r.index), {})
+        parts[r.part] = t
+        if len(parts) < 2:
+            return None
+        del pending[r.target + str(r.index)]
+        t = dequantize(parts[BLOCKS], parts[SCALES], dtype)
+    return to_moegraph_layout(t, r.layout)
 
 
 # -- saving -------------------------------------------------------------------------------
@@ -631,6 +705,6 @@ def save_checkpoint(state_dict: Mapping[str, "torch.Tensor"], cfg: ModelConfig,
     def hf_tensor(hf_name: str) -> "torch.Tensor":
         slot = table[hf_name]
         t = state_dict[slot.name].detach()[slot.index]
-        return t.to(device="cpu", dtype=save_dtype).contiguous()
+        return to_hf_layout(t.to(device="cpu", dtype=save_dtype), slot.layout).contiguous()
 
     return write_checkpoint(cfg, path, layout, hf_tensor)

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import _config_summary, _shape_str, plan_load
+from .checkpoint import _config_summary, _shape_str, plan_load, read_tensor
 from .config import ModelConfig
 from .errors import CheckpointError
 from .models.common.init import is_expert_stack, owned_rows
@@ -55,16 +55,22 @@ def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfi
                                   f"the checkpoint's tensor has {_shape_str(full)}")
         local_rows[name] = (local, lo, hi)
 
+    pending: dict = {}  # an MXFP4 tensor's first part, until its second (checkpoint.py)
     for file in plan.files:
         try:
             with safe_open(plan.root / file, framework="pt", device="cpu") as f:
                 for r in plan.reads_of(file):
                     local, lo, hi = local_rows[r.target]
                     if r.index == ():  # the whole target: a dense tensor or a fused expert stack
-                        if hi > lo:
-                            local.copy_(f.get_slice(r.hf_name)[lo:hi])
+                        if hi > lo:  # (layout steps and MXFP4 groups keep dim 0: rows commute)
+                            t = read_tensor(r, f.get_slice(r.hf_name)[lo:hi], pending,
+                                            local.dtype)
+                            if t is not None:
+                                local.copy_(t)
                     elif lo <= r.index[0] < hi:  # one expert, or its gate / up rows
-                        local[(r.index[0] - lo, *r.index[1:])].copy_(f.get_tensor(r.hf_name))
+                        t = read_tensor(r, f.get_tensor(r.hf_name), pending, local.dtype)
+                        if t is not None:
+                            local[(r.index[0] - lo, *r.index[1:])].copy_(t)
         except (SafetensorError, OSError) as e:  # the file changed since plan_load read it
             first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointError(f"checkpoint: reading {file} failed: {first_line}") from None

@@ -73,6 +73,11 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0  # an ungated shared expert of n * moe_intermediate_size
     first_k_dense_replace: int = 0  # the first k layers are dense
+    # GPT-OSS: per-layer attention kind ("sliding_attention" within sliding_window, or
+    # "full_attention"; empty: every layer alike) and the experts' clamped SwiGLU.
+    layer_types: list[str] = field(default_factory=list)
+    swiglu_limit: typing.Optional[float] = None  # None: the plain SwiGLU
+    swiglu_alpha: typing.Optional[float] = None  # the sigmoid's gain with swiglu_limit
 
     @property
     def family(self):
@@ -95,6 +100,13 @@ class ModelConfig:
         if self.kv_lora_rank > 0:
             return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
         return self.head_dim, self.head_dim
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The attention window of a layer: sliding_window, unless layer_types names the layer
+        "full_attention"; None for full causal attention."""
+        if self.layer_types and self.layer_types[layer_idx] == "full_attention":
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """HF rule: MoE unless listed in mlp_only_layers, every decoder_sparse_step-th layer,
@@ -147,6 +159,15 @@ class ModelConfig:
              f"{prefix}shared_expert_intermediate_size must be >= 0, got "
              f"{c.shared_expert_intermediate_size}"),
         ]
+        checks += [
+            ("layer_types", not c.layer_types or (
+                len(c.layer_types) == c.num_hidden_layers
+                and set(c.layer_types) <= {"sliding_attention", "full_attention"}),
+             f"{prefix}layer_types must list 'sliding_attention' or 'full_attention' for each "
+             f"of the {c.num_hidden_layers} layers, got {show(c.layer_types)}"),
+            ("swiglu_limit", c.swiglu_limit is None or c.swiglu_limit > 0,
+             f"{prefix}swiglu_limit must be positive or null, got {show(c.swiglu_limit)}"),
+        ]
         checks += [(name, ok, f"{prefix}{msg}") for name, ok, msg in
                    [*feature_checks(family, c), *family.checks(c)]]
         for name, ok, msg in checks:
@@ -179,6 +200,14 @@ class ModelConfig:
                              + ", ".join(repr(t) for t in supported_types()) + ")")
         family = family_of(d["model_type"], f"{source}: model_type")
         d = dict(d)
+        quant = d.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            if method not in family.quant_methods:
+                known = "".join(f" and {m}" for m in sorted(family.quant_methods))
+                raise UsageError(f"{source}: quantization_config.quant_method {show(method)} "
+                                 f"is not supported for {family.model_type} checkpoints "
+                                 f"(moegraph reads unquantised{known} weights)")
         for name in ("rope_parameters", "rope_scaling"):
             if d.get(name) is not None and not isinstance(d[name], dict):
                 raise UsageError(f"{source}: {name} must be an object or null, got "

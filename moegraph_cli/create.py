@@ -18,7 +18,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .checkpoint import SaveLayout, hf_to_moegraph_names, save_layout, write_checkpoint
+from .checkpoint import (SaveLayout, hf_to_moegraph_names, save_layout, to_hf_layout,
+                         write_checkpoint)
 from .config import ModelConfig
 from .errors import MoegraphError, UsageError
 from .outputs import check_output_dir
@@ -46,7 +47,13 @@ def seeded_tensors(cfg: ModelConfig, seed: int, dtype: str) -> Callable[[str], "
     def tensor_of(hf_name: str) -> torch.Tensor:
         slot = table[hf_name]
         if not is_expert_stack(slot.name):
-            return seeded_value(slot.name, slot.shape, seed, std).to(torch_dtype)
+            t = seeded_value(slot.name, slot.target_shape, seed, std)
+            return to_hf_layout(t.to(torch_dtype), slot.layout)
+        if slot.index == ():  # a fused stack (GPT-OSS): every expert's draw, in its layout
+            shape = slot.target_shape
+            t = torch.stack([seeded_value(slot.name, shape[1:], seed, std, e).to(torch_dtype)
+                             for e in range(shape[0])])
+            return to_hf_layout(t, slot.layout)
         expert = slot.index[0]
         if (slot.name, expert) not in last:
             last.clear()

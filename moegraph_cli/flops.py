@@ -20,11 +20,13 @@ def step_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     tokens = batch * seq_len
     dense = 6.0 * matmul_params * tokens
     # Key positions summed over queries, doubled: S^2 for causal attention (the half of S x S,
-    # times two), 2Sw - w^2 within a sliding window w < S.
-    w = cfg.sliding_window
-    pairs = seq_len * seq_len if w is None or w >= seq_len else 2 * seq_len * w - w * w
+    # times two), 2Sw - w^2 within a sliding window w < S (per layer: GPT-OSS mixes them).
+    pairs = 0
+    for i in range(cfg.num_hidden_layers):
+        w = cfg.layer_window(i)
+        pairs += seq_len * seq_len if w is None or w >= seq_len else 2 * seq_len * w - w * w
     qk_dim, v_dim = cfg.attn_head_dims
-    attn = 3.0 * cfg.num_hidden_layers * batch * pairs * \
+    attn = 3.0 * batch * pairs * \
         cfg.num_attention_heads * (qk_dim + v_dim)  # QK^T and PV, causal half, x3 fwd+bwd
     return dense + attn
 

@@ -33,7 +33,10 @@ def hf_model_from(model, dtype: torch.dtype = torch.float32):
         state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
         save_checkpoint(state, model.config, tmp)
         hf_class = getattr(transformers, model.config.family.architecture)
-        hf = hf_class.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa")
+        try:
+            hf = hf_class.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa")
+        except ValueError:  # a class without SDPA support (GPT-OSS: its sinks)
+            hf = hf_class.from_pretrained(tmp, dtype=dtype, attn_implementation="eager")
     return hf.to(next(model.parameters()).device).eval()
 
 

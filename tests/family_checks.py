@@ -59,8 +59,9 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_hf_checkpoint(tmp_path: Path, hf_config, seed: int = 0):
-    """See the module docstring; returns moegraph's model for family-specific asserts."""
+def check_hf_checkpoint(tmp_path: Path, hf_config, seed: int = 0, attn: str = "sdpa"):
+    """See the module docstring; returns moegraph's model for family-specific asserts.
+    `attn`: transformers' attention implementation (GPT-OSS has no SDPA one: "eager")."""
     import transformers
 
     torch.manual_seed(seed)
@@ -78,7 +79,7 @@ def check_hf_checkpoint(tmp_path: Path, hf_config, seed: int = 0):
     assert (src / "model.safetensors.index.json").is_file()
     assert len(list(src.glob("*.safetensors"))) > 2
     theirs = hf_class.from_pretrained(src, dtype=torch.float32,
-                                      attn_implementation="sdpa").eval()
+                                      attn_implementation=attn).eval()
     ours = models.from_pretrained(src, dtype=torch.float32)
     assert ours.config.model_type == hf_config.model_type
     assert_parity(ours, theirs, hf_config.vocab_size)
@@ -94,7 +95,8 @@ def check_hf_checkpoint(tmp_path: Path, hf_config, seed: int = 0):
     return ours
 
 
-def check_init_checkpoint(tmp_path: Path, profile: str, overrides=(), hf_kwargs=None):
+def check_init_checkpoint(tmp_path: Path, profile: str, overrides=(), hf_kwargs=None,
+                          attn: str = "sdpa"):
     import transformers
 
     ckpt = tmp_path / "init"
@@ -106,7 +108,7 @@ def check_init_checkpoint(tmp_path: Path, profile: str, overrides=(), hf_kwargs=
     assert (ckpt / "model.safetensors.index.json").is_file()
     ours = models.from_pretrained(ckpt, dtype=torch.float32)
     hf_class = getattr(transformers, ours.config.family.architecture)
-    theirs = hf_class.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa",
+    theirs = hf_class.from_pretrained(ckpt, dtype=torch.float32, attn_implementation=attn,
                                       **(hf_kwargs or {})).eval()
     assert_parity(ours, theirs, ours.config.vocab_size)
 

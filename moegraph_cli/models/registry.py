@@ -39,6 +39,9 @@ class Family:
     # The optional ModelConfig settings (FEATURES) this family has; any other must stay at its
     # default, or validation names it as not a setting of the family.
     features: frozenset[str] = frozenset()
+    # quantization_config.quant_method values whose checkpoints load (dequantised, see
+    # checkpoint.py); any other quantised checkpoint is refused by name.
+    quant_methods: frozenset[str] = frozenset()
 
 
 # Settings only some families have; each family lists those it has in `features`.
@@ -63,6 +66,9 @@ FEATURES = {
     "routed_scaling_factor": 1.0,
     "n_shared_experts": 0,                  # an ungated shared expert
     "first_k_dense_replace": 0,             # leading dense layers
+    "layer_types": [],                      # sliding / full attention per layer (GPT-OSS) ...
+    "swiglu_limit": None,                   # clamped SwiGLU experts
+    "swiglu_alpha": None,
 }
 
 

@@ -3,6 +3,8 @@
 Router: logits in the model dtype -> fp32 softmax -> top-k -> optional renormalisation ->
 weights cast back to the model dtype (exactly as transformers' Qwen3MoeTopKRouter, and the
 Mixtral (always renormalised), OLMoE and Qwen2-MoE routers, which compute the same).
+GPT-OSS (`route_topk_softmax`): biased logits, top-k of the logits, softmax over those k;
+DeepSeek-V3 (`route_grouped`): sigmoid scores, group-limited top-k.
 
 Aux loss: transformers pools all MoE layers before normalising
 (`load_balancing_loss_func`): aux = E * sum_e (N_e / (L*T)) * (P_e / (L*T)), N_e the top-k
@@ -30,6 +32,19 @@ def route(x_TH: torch.Tensor, w_router_EH: torch.Tensor, top_k: int, norm_topk_p
     if norm_topk_prob:
         topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(dim=-1, keepdim=True)
     return topk_ids_TK, topk_weights_TK.to(logits_TE.dtype), probs_TE
+
+
+def route_topk_softmax(x_TH: torch.Tensor, w_router_EH: torch.Tensor, b_router_E: torch.Tensor,
+                       top_k: int):
+    """GPT-OSS's router (transformers' GptOssTopKRouter): logits = x W^T + b in the model
+    dtype, top-k over the logits, softmax over the k picked logits in the model dtype. Return
+    (topk_ids_TK int64, topk_weights_TK in x's dtype, probs_TE fp32 softmax over every expert,
+    for the statistics as transformers' load_balancing_loss_func takes them)."""
+    logits_TE = F.linear(x_TH, w_router_EH, b_router_E)
+    top_TK, topk_ids_TK = torch.topk(logits_TE, top_k, dim=-1)
+    topk_weights_TK = torch.softmax(top_TK, dim=-1, dtype=top_TK.dtype)
+    probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    return topk_ids_TK, topk_weights_TK, probs_TE
 
 
 def _top_indices(x: torch.Tensor, k: int) -> torch.Tensor:

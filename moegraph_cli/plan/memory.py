@@ -439,6 +439,9 @@ def rms_saved(rows: int, width: int, b: int, input_external: bool) -> int:
     return upcast + 4 * rows + b * rows * width
 
 
+SINK_PAD = 8  # common/sinks.PAD (not imported: the planner runs without torch)
+
+
 def attn_memory(prof: Profile) -> ScopeMemory:
     c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
     H, D, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
@@ -446,8 +449,10 @@ def attn_memory(prof: Profile) -> ScopeMemory:
     shapes = layer_shapes(c, 0)
     if "attn.kv_b_proj.weight" in shapes:
         return mla_memory(prof)
+    # With sinks (GPT-OSS, common/sinks.py) SDPA runs at head dim D + PAD over S + 1 keys.
+    sdpa_dim = D + SINK_PAD if "attn.sinks" in shapes else D
     saved = (rms_saved(T, H, b, True) + b * T * H  # input norm; its output y (q/k/v input)
-             + 4 * b * T * Q  # SDPA's q, k and v (GQA-expanded to nh heads) and its output
+             + 4 * b * T * nh * sdpa_dim  # SDPA's q, k, v (GQA-expanded) and its output
              + 4 * T * nh)  # SDPA's logsumexp
     for name, heads in (("attn.q_norm.weight", nh), ("attn.k_norm.weight", nkv)):
         if name in shapes:  # the family's q/k norm: per head ([D]) or over the projection

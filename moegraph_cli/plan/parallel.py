@@ -44,7 +44,7 @@ from ..summary import DTYPE_BYTES, layer_shapes
 from .memory import (ScopeMemory, _first_moe_layer, _param_bytes, expert_slots, loss_moments,
                      rms_saved, route_block, shared_expert_memory)
 
-EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down")
+EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down", "moe.b_gate_up", "moe.b_down")
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ from moegraph_cli.verify import verify_command
 
 pytestmark = pytest.mark.cuda
 
-FAMILIES = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe", "tiny-deepseek-v3"]
+FAMILIES = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe", "tiny-deepseek-v3",
+            "tiny-gpt-oss"]
 VARIANTS = {"tiny-mixtral": ["model.sliding_window=128"], "tiny-olmoe": ["model.clip_qkv=2.0"],
             "tiny-qwen2-moe": ["model.mlp_only_layers=[0]"], "tiny-qwen3-moe": [],
-            "tiny-deepseek-v3": []}
+            "tiny-deepseek-v3": [], "tiny-gpt-oss": []}
 
 
 @pytest.mark.parametrize("mode", ["dropless", "capacity"])

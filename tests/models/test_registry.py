@@ -16,7 +16,8 @@ from moegraph_cli.errors import UsageError
 from cli_util import run_cli
 
 TINY = {"qwen3_moe": "tiny-qwen3-moe", "mixtral": "tiny-mixtral", "olmoe": "tiny-olmoe",
-        "qwen2_moe": "tiny-qwen2-moe", "deepseek_v3": "tiny-deepseek-v3"}
+        "qwen2_moe": "tiny-qwen2-moe", "deepseek_v3": "tiny-deepseek-v3",
+        "gpt_oss": "tiny-gpt-oss"}
 
 
 def test_every_family_is_found_and_has_a_tiny_profile():
@@ -65,10 +66,10 @@ def test_fields_a_family_does_not_read_are_ignored_in_config_json():
 
 
 def test_unsupported_model_type_is_refused_naming_the_supported(tmp_path):
-    with pytest.raises(UsageError, match="model_type is 'gpt_oss'; moegraph reads "
-                                         "'deepseek_v3', 'mixtral', 'olmoe', 'qwen2_moe', "
-                                         "'qwen3_moe'"):
-        ModelConfig.from_hf_dict({**ModelConfig().to_hf_dict(), "model_type": "gpt_oss"})
+    with pytest.raises(UsageError, match="model_type is 'jamba'; moegraph reads "
+                                         "'deepseek_v3', 'gpt_oss', 'mixtral', 'olmoe', "
+                                         "'qwen2_moe', 'qwen3_moe'"):
+        ModelConfig.from_hf_dict({**ModelConfig().to_hf_dict(), "model_type": "jamba"})
     ckpt = tmp_path / "ck"
     code, _, err = run_cli("init", "tiny-mixtral", ckpt, "--set", "model.vocab_size=64",
                            "--set", "model.hidden_size=32", "--set", "model.head_dim=8")
@@ -78,10 +79,10 @@ def test_unsupported_model_type_is_refused_naming_the_supported(tmp_path):
     code, out, err = run_cli("inspect", ckpt)
     assert code == 2 and out == ""
     assert err.strip().endswith("model_type is 'dbrx'; moegraph reads 'deepseek_v3', "
-                                "'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'")
+                                "'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'")
     assert len(err.strip().splitlines()) == 1
-    code, _, err = run_cli("plan", "--budget", "8GiB", "--set", "model.model_type=gpt_oss")
-    assert code == 2 and "model.model_type is 'gpt_oss'; moegraph reads 'deepseek_v3'" in err
+    code, _, err = run_cli("plan", "--budget", "8GiB", "--set", "model.model_type=jamba")
+    assert code == 2 and "model.model_type is 'jamba'; moegraph reads 'deepseek_v3'" in err
 
 
 def test_a_family_refuses_settings_it_does_not_have():

@@ -313,3 +313,25 @@ def test_calibrated_offsets_come_from_the_one_layer_measurement():
     assert cal.predict(none, "shared").peak == plain.predict(none, "shared").peak + 3 * U
     assert cal.predict((True,) * 4, "shared").pool_bytes == \
         plain.predict((True,) * 4, "shared").pool_bytes + 10 * U
+
+
+def test_sink_attention_priced_at_its_padded_head_dim():
+    """GPT-OSS's sinks run SDPA at head dim D + PAD: the planner's saved bytes say so, with
+    the pad the attention itself uses."""
+    from moegraph_cli.config import load_profile
+    from moegraph_cli.models.common.sinks import PAD
+    from moegraph_cli.plan import memory
+
+    assert memory.SINK_PAD == PAD
+    prof = load_profile("tiny-gpt-oss")
+    with_sinks = memory.attn_memory(prof).saved
+    shapes = memory.layer_shapes
+    try:
+        memory.layer_shapes = lambda c, i: {k: v for k, v in shapes(c, i).items()
+                                            if k != "attn.sinks"}
+        without = memory.attn_memory(prof).saved
+    finally:
+        memory.layer_shapes = shapes
+    c, T = prof.model, prof.run.batch * prof.run.seq_len
+    b = 2 if prof.run.dtype == "bfloat16" else 4
+    assert with_sinks - without == 4 * b * T * c.num_attention_heads * PAD

@@ -2,7 +2,10 @@
 
 MoeScope: post norm, router (fp32 softmax, top-k, optional renormalisation; or DeepSeek-V3's
 `router="sigmoid_grouped"`: sigmoid scores, group-limited top-k chosen with the
-`e_score_correction_bias` buffer, scaled weights), experts, combine, optional shared expert (a
+`e_score_correction_bias` buffer, scaled weights; or GPT-OSS's `router="topk_softmax"`: a
+biased router, softmax over the top-k logits), experts (with `bias`, GPT-OSS: biases on both
+projections, `b_gate_up` [E, 2F] in the [gate | up] halves order and `b_down` [E, H], and the
+experts' activation `act`, moe/activation.py), combine, optional shared expert (a
 SwiGLU every token passes through, scaled by `sigmoid(shared_expert_gate(x))` (Qwen2-MoE) or
 ungated (`shared_gate=False`, DeepSeek-V3), added to the routed experts' output), residual.
 With `moe.bias_update_rate` > 0 the grouped router also counts its routes per expert on the
@@ -15,16 +18,19 @@ and combine collectives run inside it (moe/ep.py), so a captured moe graph conta
 Routes dropped by capacity are counted on the device in `dropped_routes` (no sync).
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ... import grads
 from ...config import ModelConfig, MoeConfig
+from ...moe.activation import ExpertAct
 from ...moe.ep import EpGroup, ep_moe
 from ...moe.reference import reference_experts
 from ...moe.routing import (aux_stats, expert_load_E, local_dispatch, route, route_grouped,
-                            update_correction_bias_)
+                            route_topk_softmax, update_correction_bias_)
 from .linear import Linear
 from .norm import RMSNorm
 
@@ -41,10 +47,12 @@ def experts_fn(backend: str, device: torch.device):
 
 class MoeScope(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoeConfig, ep: EpGroup | None = None,
-                 router: str = "softmax", shared_gate: bool = True):
+                 router: str = "softmax", shared_gate: bool = True, bias: bool = False,
+                 act: ExpertAct | None = None):
         super().__init__()
-        if router not in ("softmax", "sigmoid_grouped"):
-            raise ValueError(f"router must be 'softmax' or 'sigmoid_grouped', got {router!r}")
+        if router not in ("softmax", "sigmoid_grouped", "topk_softmax"):
+            raise ValueError(f"router must be 'softmax', 'sigmoid_grouped' or 'topk_softmax', "
+                             f"got {router!r}")
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         local = e if ep is None else ep.num_local
         self.ep = ep
@@ -53,9 +61,13 @@ class MoeScope(nn.Module):
         self.capacity_factor = moe.capacity
         self.backend = moe.backend
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.router = nn.Linear(h, e, bias=False)
+        self.topk_softmax = router == "topk_softmax"
+        self.router = nn.Linear(h, e, bias=self.topk_softmax)
         self.w_gate_up = nn.Parameter(torch.empty(local, 2 * f, h))
         self.w_down = nn.Parameter(torch.empty(local, h, f))
+        self.b_gate_up = nn.Parameter(torch.empty(local, 2 * f)) if bias else None
+        self.b_down = nn.Parameter(torch.empty(local, h)) if bias else None
+        self.act = act
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_width > 0:
             self.shared_expert = SwiGLU(h, cfg.shared_expert_width)
@@ -101,10 +113,17 @@ class MoeScope(nn.Module):
                 self.routed_scaling_factor)
             if self.bias_update_rate > 0:
                 self.expert_load.add_(expert_load_E(topk_ids_TK, self.expert_load.shape[0]))
+        elif self.topk_softmax:
+            topk_ids_TK, topk_weights_TK, probs_TE = route_topk_softmax(
+                x_TH, grads.through(self.router.weight), grads.through(self.router.bias),
+                self.top_k)
         else:
             topk_ids_TK, topk_weights_TK, probs_TE = route(
                 x_TH, grads.through(self.router.weight), self.top_k, self.norm_topk_prob)
         experts = experts_fn(self.backend, x_TH.device)
+        if self.b_gate_up is not None or self.act is not None:  # GPT-OSS; others call as ever
+            experts = functools.partial(experts, b_gate_up=self.b_gate_up, b_down=self.b_down,
+                                        **({} if self.act is None else {"act": self.act}))
         if self.ep is not None:
             y_TH, dropped = ep_moe(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up,
                                    self.w_down, self.capacity_factor, self.ep, experts)

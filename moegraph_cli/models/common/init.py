@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down")  # dim 0 is the expert
+EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down",  # dim 0 is the expert
+                 "moe.b_gate_up", "moe.b_down")  # (GPT-OSS's expert biases)
 # Buffers that start at zero: DeepSeek's router correction bias (in the checkpoint) and the
 # load it counts for the bias update.
 ZERO_BUFFERS = ("e_score_correction_bias", "expert_load")

@@ -10,6 +10,13 @@ one tensor per expert on disk:
     {experts}.{e}.{down}.weight [H, F] -> moe.w_down[e]
 
 or, in a fused layer, `{experts}.gate_up_proj` [E, 2F, H] and `{experts}.down_proj` [E, H, F].
+
+A slot may store its tensor in another layout on disk (`Slot.layout`, steps applied in order
+on load and undone in reverse on save, by checkpoint.py): `"transpose"` swaps the last two
+dims, `"deinterleave"` turns a last dim of interleaved pairs (g0, u0, g1, u1, ...) into halves
+(g0, g1, ... | u0, u1, ...). Steps never touch dim 0, so a slice of experts or of an FSDP
+chunk commutes with them. GPT-OSS's `gate_up_proj` [E, H, 2F] (gate/up interleaved) is
+("deinterleave", "transpose") -> [E, 2F, H].
 """
 
 from __future__ import annotations
@@ -23,6 +30,15 @@ class Slot(NamedTuple):
     name: str                   # moegraph state-dict name
     index: tuple                # () the whole tensor; (e,) expert e; (e, slice) rows of expert e
     shape: tuple[int, ...]      # the HF tensor's shape on disk
+    layout: tuple[str, ...] = ()  # disk -> moegraph steps (module docstring); () the same
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        """The shape in moegraph's layout (of the indexed part)."""
+        shape = self.shape
+        if "transpose" in self.layout:
+            shape = (*shape[:-2], shape[-1], shape[-2])
+        return shape
 
 
 Put = Callable[..., None]
@@ -35,8 +51,8 @@ def model_keys(cfg, layer_keys: Callable[[Put, int], None]) -> dict[str, Slot]:
     for i in range(cfg.num_hidden_layers):
         hf, mg = f"model.layers.{i}.", f"layers.{i}."
 
-        def put(hf_suffix, mg_suffix, shape, index=()):
-            table[hf + hf_suffix] = Slot(mg + mg_suffix, index, tuple(shape))
+        def put(hf_suffix, mg_suffix, shape, index=(), layout=()):
+            table[hf + hf_suffix] = Slot(mg + mg_suffix, index, tuple(shape), tuple(layout))
 
         layer_keys(put, i)
     table["model.norm.weight"] = Slot("norm.weight", (), (H,))
