@@ -4,6 +4,7 @@ allocator peaks and the memory cap."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable, Iterator
@@ -229,4 +230,10 @@ def device_info() -> dict:
             "date": datetime.date.today().isoformat(), "gpu": None}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    knobs = {k: os.environ[k] for k in KERNEL_KNOBS if k in os.environ}
+    if knobs:  # a run with a kernel switched off or a tile overridden says so
+        info["kernel_env"] = knobs
     return info
+
+
+KERNEL_KNOBS = ("MOEGRAPH_FUSED", "MOEGRAPH_WGRAD_SHORT")

@@ -43,7 +43,10 @@ def test_fp32_and_bf16_against_torch(T, V, H):
     ref64 = torch.zeros(V, H, dtype=torch.float64, device=DEV).index_add_(0, ids, dy.double())
     out32 = torch.full((V, H), math.nan, device=DEV)
     embedding_backward_into(dy, ids, out32, accumulate=False)
-    torch.testing.assert_close(out32, _torch_grad(dy, ids, V), rtol=1e-5, atol=1e-5)
+    # fp32 sums in another order than torch's: each within twice torch's own error of fp64.
+    err32 = (out32.double() - ref64).abs().max().item()
+    base32 = (_torch_grad(dy, ids, V).double() - ref64).abs().max().item()
+    assert err32 <= 2 * max(base32, 1e-6), (err32, base32)
     out16 = torch.full((V, H), math.nan, dtype=torch.bfloat16, device=DEV)
     embedding_backward_into(dy.bfloat16(), ids, out16, accumulate=False)
     assert torch.isfinite(out16).all()

@@ -3,7 +3,8 @@
 q/k/v projections (optional biases, and on o), then the family's q/k treatment before RoPE:
 RMSNorm per head (`qk_norm="head"`, Qwen3), RMSNorm over the whole projection (`"proj"`,
 OLMoE) or none; optional clamping of q/k/v to +-clip_qkv (OLMoE); SDPA causal with grouped KV
-heads, within a sliding window when one is set (Mixtral); o projection. The scope is one
+heads, within a sliding window when one is set (Mixtral); with `sinks`, a learned logit per
+head in every softmax row (GPT-OSS; common/sinks.py); o projection. The scope is one
 graphable unit: tensors in, tensors out, parameters and the rope tables owned by the module.
 """
 
@@ -12,15 +13,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig
+from . import fused
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import apply_rope
+from .sinks import sink_attention
 
 
 class AttentionScope(nn.Module):
     def __init__(self, cfg: ModelConfig, qk_norm: str | None = "head", qkv_bias: bool = False,
                  o_bias: bool = False, clip_qkv: float | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, sinks: bool = False):
         super().__init__()
         if qk_norm not in ("head", "proj", None):
             raise ValueError(f"qk_norm must be 'head', 'proj' or None, got {qk_norm!r}")
@@ -43,6 +46,7 @@ class AttentionScope(nn.Module):
         elif qk_norm == "proj":
             self.q_norm = RMSNorm(qd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(kvd, cfg.rms_norm_eps)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_attention_heads)) if sinks else None
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the model
 
     def graph_state(self) -> tuple[torch.Tensor, ...]:
@@ -61,11 +65,21 @@ class AttentionScope(nn.Module):
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(batch, seq, self.num_heads, self.head_dim)
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos_SD[:seq], sin_SD[:seq]), apply_rope(k, cos_SD[:seq], sin_SD[:seq])
+        cos_SD, sin_SD = cos_SD[:seq], sin_SD[:seq]
+        head_norm = self.qk_norm == "head"
+        if fused.rope_active(q, cos_SD, self.q_norm.weight if head_norm else None):
+            # One kernel each for q and k: [per-head RMSNorm,] rope, written as [B, N, S, D].
+            if head_norm:
+                q = fused.rope(q, cos_SD, sin_SD, self.q_norm.weight, self.q_norm.eps)
+                k = fused.rope(k, cos_SD, sin_SD, self.k_norm.weight, self.k_norm.eps)
+            else:
+                q, k = fused.rope(q, cos_SD, sin_SD), fused.rope(k, cos_SD, sin_SD)
+        else:
+            if head_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         if self.num_kv_heads != self.num_heads:
             # Expanded rather than `enable_gqa=True`: the fused SDPA kernels then run on every
             # torch we support, and the expand is a view until SDPA reads it.
@@ -75,7 +89,9 @@ class AttentionScope(nn.Module):
             v = v[:, :, None].expand(batch, self.num_kv_heads, rep, seq, self.head_dim) \
                 .reshape(batch, self.num_heads, seq, self.head_dim)
         scale = self.head_dim ** -0.5
-        if self.sliding_window is not None and seq > self.sliding_window:
+        if self.sinks is not None:
+            o = sink_attention(q, k, v, self.sinks, scale, self.sliding_window)
+        elif self.sliding_window is not None and seq > self.sliding_window:
             # Query i sees keys i - window < j <= i (transformers' sliding-window mask).
             i = torch.arange(seq, device=q.device)
             offset = i[:, None] - i[None, :]

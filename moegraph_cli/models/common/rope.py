@@ -7,7 +7,9 @@ OLMoE, Qwen2-MoE) and "yarn" (`rope_scaling`, DeepSeek-V3: NTK-by-parts interpol
 attention factor from `mscale` / `mscale_all_dim`, as transformers' `_compute_yarn_parameters`).
 Two layouts: halves (`apply_rope`) and interleaved pairs (`apply_rope_interleaved`, DeepSeek's
 `rope_interleave`). The tables are plain tensors owned by the model, which keeps them at a
-stable address: a captured attention graph reads them in place.
+stable address: a captured attention graph reads them in place. On CUDA the attention scope
+runs the halves rope (with the per-head q/k norm before it) as one Triton kernel each way
+(fused.py, kernels/rope.py), with these functions' roundings.
 """
 
 import math

@@ -1,0 +1,106 @@
+"""The Triton paths of the norms and the rope: RMSNorm (kernels/rmsnorm.py) and the per-head
+q/k RMSNorm + rope + transpose to [B, N, S, D] (kernels/rope.py), as autograd Functions.
+
+Used on CUDA tensors only: the CPU path stays the torch one in norm.py / rope.py, bitwise
+transformers' (the parity tests). `ENABLED = False` (or MOEGRAPH_FUSED=0 in the environment)
+turns the kernels off everywhere; `ON_CPU = True` (tests) runs them on CPU too, which works only
+under TRITON_INTERPRET=1 and in fp32. The rounding points are torch's (see the kernel files):
+the rope is torch's bitwise, the norms differ only in the order of their fp32 sums.
+
+Both Functions give the norm weight's gradient the sink treatment of grads.py: written (or
+accumulated) by the reduction kernel into `.grad` for a sink, returned otherwise. Forward and
+backward allocate only static shapes and never sync with the host, so a CUDA graph captures
+them; the weight gradient is a fixed-order reduction of per-program partials, so replays are
+bitwise eager.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ... import grads
+
+ENABLED = os.environ.get("MOEGRAPH_FUSED", "1") not in ("0", "")
+ON_CPU = False
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def active(x: torch.Tensor) -> bool:
+    """Whether the kernels take x: switched on, on CUDA (or forced on CPU), a kernel dtype."""
+    return ENABLED and (x.is_cuda or ON_CPU) and x.dtype in _DTYPES
+
+
+def _grad_target(weight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """(p.grad to write into, accumulate?) for a sink, else (None, False)."""
+    where = grads.target(weight)
+    return (None, False) if where is None else where
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        from moegraph_kernels.rmsnorm import rms_norm_forward
+
+        y, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        from moegraph_kernels.rmsnorm import rms_norm_backward
+
+        x, weight, rstd = ctx.saved_tensors
+        need_dw = ctx.needs_input_grad[1]
+        dw_out, acc = _grad_target(weight) if need_dw else (None, False)
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, need_dw=need_dw, dw_out=dw_out,
+                                   accumulate=acc)
+        return (dx if ctx.needs_input_grad[0] else None), dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """norm.rms_norm by kernels/rmsnorm.py: y [..., D] contiguous."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BSND, weight, cos_SD, sin_SD, eps):
+        from moegraph_kernels.rope import rope_forward
+
+        y, rstd = rope_forward(x_BSND, cos_SD, sin_SD, weight, eps)
+        # x is read back only by the norm's backward.
+        ctx.save_for_backward(x_BSND if weight is not None else None, weight, rstd, cos_SD,
+                              sin_SD)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_BNSD):
+        from moegraph_kernels.rope import rope_backward
+
+        x_BSND, weight, rstd, cos_SD, sin_SD = ctx.saved_tensors
+        need_dw = weight is not None and ctx.needs_input_grad[1]
+        dw_out, acc = _grad_target(weight) if need_dw else (None, False)
+        dx, dw = rope_backward(dy_BNSD, x_BSND, cos_SD, sin_SD, weight, rstd, need_dw=need_dw,
+                               dw_out=dw_out, accumulate=acc)
+        return dx, dw, None, None, None
+
+
+def rope(x_BSND: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
+         weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """apply_rope(norm(x).transpose(1, 2)) in one kernel: x [B, S, N, D] (any strides, last
+    one 1), the per-head RMSNorm only with `weight`; returns [B, N, S, D] contiguous."""
+    return _Rope.apply(x_BSND, weight, cos_SD, sin_SD, eps)
+
+
+def rope_active(x_BSND: torch.Tensor, cos_SD: torch.Tensor,
+                weight: torch.Tensor | None = None) -> bool:
+    """Whether `rope` takes x: `active`, one dtype for x, the tables and the weight, even D."""
+    return (active(x_BSND) and x_BSND.stride(-1) == 1 and x_BSND.shape[-1] % 2 == 0
+            and cos_SD.dtype == x_BSND.dtype
+            and (weight is None or weight.dtype == x_BSND.dtype))
