@@ -1,8 +1,8 @@
-"""Every family on the GPU (issue 10): per profile, `verify --lr0` (attn+moe graphs, the
+"""Every family on the GPU (issues 10, 11): per profile, `verify --lr0` (attn+moe graphs, the
 permute-free experts) in dropless and capacity mode, `verify --reference transformers` on the
-tiny ones, and `capture --scopes attn,moe` eager vs graph with the planner's prediction, and transformers'
-own step on the same shapes (benchmarks/hf_step.py).
-Each command in a fresh process.
+tiny ones (`--reference-only` for any list), `capture --scopes attn,moe` eager vs graph with
+the planner's prediction, and transformers' own step on the same shapes
+(benchmarks/hf_step.py). Each command in a fresh process.
 
 Run: python3 benchmarks/architectures.py --out $OUT/architectures.json
 """
@@ -21,8 +21,9 @@ from capture import cli_json  # noqa: E402
 from common import write_records  # noqa: E402
 
 PROFILES = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe",
-            "tiny-deepseek-v3", "qwen3-30b-a3b-4layer", "mixtral-8x7b-4layer", "olmoe-1b-7b",
-            "qwen1.5-moe-a2.7b", "qwen1.5-moe-a2.7b-4layer", "qwen2-57b-a14b-4layer", "moonlight-16b-a3b-4layer"]
+            "tiny-deepseek-v3", "tiny-gpt-oss", "qwen3-30b-a3b-4layer", "mixtral-8x7b-4layer",
+            "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "qwen1.5-moe-a2.7b-4layer",
+            "qwen2-57b-a14b-4layer", "moonlight-16b-a3b-4layer", "gpt-oss-20b-4layer"]
 
 
 def hf_step(profile: str) -> dict:
@@ -73,9 +74,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--only", default=None, help="comma list of profiles")
+    ap.add_argument("--reference-only", default=None,
+                    help="comma list: only `verify --reference transformers` (fp32) on these")
     ap.add_argument("--out", default="benchmarks/results/architectures.json")
     args = ap.parse_args()
     records = []
+    for profile in (args.reference_only or "").split(","):
+        if profile:
+            ref, err = cli_json(["verify", "--profile", profile, "--lr0", "--steps", "1",
+                                 "--reference", "transformers"], timeout=600)
+            records.append({"profile": profile, "reference_transformers":
+                            err if ref is None else ref.get("reference")})
+            print(json.dumps(records[-1]), flush=True)
+            write_records(records, args.out)
+    if args.reference_only:
+        return
     for profile in PROFILES:
         if args.only is None or profile in args.only.split(","):
             records.append(run_profile(profile, args.steps))
