@@ -44,10 +44,13 @@ def test_verify_against_single_process_fp32(nproc, ep):
     ("tiny-olmoe", ["--set", "model.clip_qkv=0.5"]),
     ("tiny-qwen2-moe", ["--set", "model.mlp_only_layers=[0]", "--set",
                         "model.num_hidden_layers=3"]),
+    ("tiny-deepseek-v3", []),
+    ("tiny-gpt-oss", []),
 ])
 def test_verify_each_family_against_single_process(profile, extra):
     """FSDP2 over the family's dense parameters (biases, q/k norms over the projection, a
-    shared expert) and EP over its experts: the same losses as one process."""
+    shared expert, MLA, sinks) and EP over its experts (with their biases, GPT-OSS; the
+    grouped router's correction bias, DeepSeek-V3): the same losses as one process."""
     r = _moegraph("verify", "-p", profile, "--nproc", "2", "--ep", "2", "--reference",
                   "single", "--no-lr0", "--steps", "2", "--tolerance", "1e-5", "--json",
                   *CPU, *extra)
