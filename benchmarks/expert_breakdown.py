@@ -4,9 +4,10 @@
 
 For the Qwen3 shape (E=128, H=2048, F=768, k=8) and each T: the permute-free path at its
 default tiles and at a few alternative slot block sizes, and the permute + torch._grouped_mm
-baseline. Each case: CUDA-event time of fwd and fwd+bwd (median of 20, after warm-up) and the
-profiler's kernel table (name -> total us over one fwd+bwd). JSON to --out with GPU, versions,
-date.
+baseline. Each case: CUDA-event time of fwd and fwd+bwd (median of 20, after warm-up), the
+same captured in a CUDA graph (fwd+bwd, and the forward alone with its TFLOP/s: the whole
+expert forward, route build and combine included) and the profiler's kernel table (name ->
+total us over one fwd+bwd). JSON to --out with GPU, versions, date.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_experts import SHAPES, grouped_mm_moe, make_case, time_fwd_bwd  # noqa: E402
 
 from moegraph_cli.harness import device_info  # noqa: E402
-from moegraph_cli.moe.experts import TileConfigs, permute_free_moe_with_drops, tile_configs  # noqa: E402
+from moegraph_cli.moe.experts import permute_free_moe_with_drops, tile_configs  # noqa: E402
 from moegraph_kernels.gather_gemm import GemmConfig  # noqa: E402
 
 
@@ -44,14 +45,15 @@ def kernel_table(fn) -> dict:
     return dict(sorted(table.items(), key=lambda kv: -kv[1]))
 
 
-def graph_ms(fn, args, dout, reps: int = 50) -> float:
-    """fwd+bwd captured in one CUDA graph (autograd.grad into fresh buffers, as a captured
-    backward does), median replay time: the launch-free cost of the path."""
+def graph_ms(fn, args, dout, reps: int = 50, backward: bool = True) -> float:
+    """fwd+bwd (or the forward alone, as training runs it: grad enabled, saving for backward)
+    captured in one CUDA graph (autograd.grad into fresh buffers, as a captured backward does),
+    median replay time: the launch-free cost of the path, route build and combine included."""
     leaves = [args[0], args[2], args[3], args[4]]
 
     def body():
         y = fn(*args)
-        return torch.autograd.grad(y, leaves, dout)
+        return torch.autograd.grad(y, leaves, dout) if backward else y
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -80,11 +82,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1024,8192")
     ap.add_argument("--out", default="/tmp/expert_breakdown.json")
+    ap.add_argument("--only", default=None, help="comma list of impls (default, block32, "
+                    "..., grouped_mm_baseline)")
     args = ap.parse_args()
     E, H, F_, k = SHAPES["qwen3"]
     records = []
     for T in [int(t) for t in args.tokens.split(",")]:
         x, ids, w, wgu, wd, dout = make_case(E, H, F_, k, T)
+        fwd_flops = 2 * T * k * H * 3 * F_  # FC1 [H -> 2F] and FC2 [F -> H] per route
         base = tile_configs(T * k, E, H, F_, x.device)
         variants = {"default": base}
         for bm in (32, 64, 128):
@@ -101,6 +106,8 @@ def main() -> None:
         impls = {name: (lambda *a, c=c: permute_free_moe_with_drops(*a, None, c)[0])
                  for name, c in variants.items()}
         impls["grouped_mm_baseline"] = grouped_mm_moe
+        if args.only:
+            impls = {n: f for n, f in impls.items() if n in args.only.split(",")}
         for name, fn in impls.items():
             args_ = (x, ids, w, wgu, wd)
             try:
@@ -117,17 +124,20 @@ def main() -> None:
                 continue
             try:
                 gms = graph_ms(fn, args_, dout)
+                gfwd = graph_ms(fn, args_, dout, backward=False)
             except Exception as e:  # noqa: BLE001 - e.g. an op that cannot be captured
-                gms = None
+                gms = gfwd = None
                 print(T, name, "graph capture failed:", str(e)[:200])
             cfg = variants.get(name)
             rec = dict(T=T, impl=name, fwd_ms=fwd, bwd_ms=bwd, total_ms=fwd + bwd,
-                       graph_fwd_bwd_ms=gms,
+                       graph_fwd_bwd_ms=gms, graph_fwd_ms=gfwd,
+                       graph_fwd_tflops=None if gfwd is None else fwd_flops / gfwd / 1e9,
                        config=None if cfg is None else repr(cfg), kernels_us=table,
                        **device_info())
             records.append(rec)
             print(f"T={T} {name}: fwd {fwd:.3f} bwd {bwd:.3f} total {fwd + bwd:.3f} ms; "
-                  f"graphed fwd+bwd {gms if gms is None else round(gms, 3)} ms")
+                  f"graphed fwd+bwd {gms if gms is None else round(gms, 3)} ms, graphed fwd "
+                  f"{gfwd if gfwd is None else round(gfwd, 3)} ms")
             for kname, us in list(table.items())[:12]:
                 print(f"    {us:9.1f} us  {kname}")
     Path(args.out).write_text(json.dumps(records, indent=2) + "\n")

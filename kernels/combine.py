@@ -7,10 +7,13 @@ Layout contract: src [S, H] in slot order (Y2 in the forward, dX per route in th
 row-major with a contiguous last dimension; token_slots [T, k] int32 from the RouteList, -1 for
 a dropped route (skipped: contributes nothing, its row is never read). out [T, H]; every
 element is written. Only real slots are read, so padding and dead blocks of src may hold
-anything. Row index * row stride is formed in int64.
+anything. Row index * row stride is formed in int64. The tile (tokens x columns a program,
+warps) changes no value: each element's sum runs over j in order whatever the tile.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -43,6 +46,9 @@ def gather_combine(src_SH: torch.Tensor, token_slots_TK: torch.Tensor,
     hidden = src_SH.shape[1]
     if src_SH.is_cuda:
         block_t, block_h, warps = 4, min(1024, triton.next_power_of_2(hidden)), 4
+        tile = os.environ.get("MOEGRAPH_COMBINE_TILE")  # "block_t,block_h,warps" (a sweep's)
+        if tile:
+            block_t, block_h, warps = (int(v) for v in tile.split(","))
     else:
         block_t, block_h, warps = 16, min(64, triton.next_power_of_2(hidden)), 1
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
