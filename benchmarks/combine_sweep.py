@@ -18,10 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_records  # noqa: E402
-from moe_experts import time_throughput  # noqa: E402
+from moe_experts import copy_bandwidth_gbs, random_routes, time_throughput  # noqa: E402
 
 from moegraph_cli.harness import device_info  # noqa: E402
-from moegraph_cli.moe.experts import build_routes, tile_configs  # noqa: E402
 from moegraph_kernels.combine import gather_combine  # noqa: E402
 
 TILES = [(4, 1024, 4), (1, 2048, 8), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (8, 512, 8),
@@ -35,16 +34,10 @@ def main() -> None:
     args = ap.parse_args()
     T, E, K, H, F = args.tokens, 128, 8, 2048, 768
     dev = torch.device("cuda")
-    g = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
-    weights = torch.rand(T, K, generator=g).to(dev)
-    routes = build_routes(ids, weights, E, tile_configs(T * K, E, H, F, dev).route_block, None)
+    routes = random_routes(T, E, K, H, F)
     src = torch.randn(routes.num_slots, H, device=dev, dtype=torch.bfloat16)
     out = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
-    copy_src = torch.empty(2 ** 30, device=dev, dtype=torch.uint8)
-    copy_dst = torch.empty_like(copy_src)
-    copy_ms = time_throughput(lambda: copy_dst.copy_(copy_src), 20, 3)
-    copy_gbs = 2 * copy_src.numel() / copy_ms / 1e6
+    copy_gbs = copy_bandwidth_gbs()
     floor_ms = (T * K * H + T * H) * 2 / copy_gbs / 1e6  # every route row read, out written
     records, ref = [], None
     for tile in TILES:

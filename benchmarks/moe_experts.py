@@ -363,6 +363,23 @@ def time_graph(fn, reps):
     return e0.elapsed_time(e1) / reps
 
 
+def random_routes(T, E, K, H, F, seed=0):
+    """Top-k of random scores on the CPU (seeded), built into the RouteList at the default
+    slot block on the GPU: what the sweeps run their kernels over."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
+    weights = torch.rand(T, K, generator=g).to(dev)
+    return build_routes(ids, weights, E, tile_configs(T * K, E, H, F, dev).route_block, None)
+
+
+def copy_bandwidth_gbs(nbytes=2 ** 30):
+    """Device-to-device copy bandwidth, GB/s of traffic (read + write), back-to-back."""
+    src = torch.empty(nbytes, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_throughput(lambda: dst.copy_(src), 20, 3) / 1e6
+
+
 def time_throughput(fn, reps, warmup=2):
     """ms per call of `reps` calls back to back between one pair of events (host overhead
     overlaps GPU work, as in training)."""

@@ -17,10 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_records  # noqa: E402
-from moe_experts import time_throughput  # noqa: E402
+from moe_experts import copy_bandwidth_gbs, random_routes, time_throughput  # noqa: E402
 
 from moegraph_cli.harness import device_info  # noqa: E402
-from moegraph_cli.moe.experts import build_routes, tile_configs  # noqa: E402
 from moegraph_kernels.gather_gemm import GemmConfig  # noqa: E402
 from moegraph_kernels.wgrad import expert_wgrad  # noqa: E402
 
@@ -39,21 +38,14 @@ def main() -> None:
     args = ap.parse_args()
     T, E, K, H, F = args.tokens, 128, 8, 2048, 768
     dev = torch.device("cuda")
-    g = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
-    weights = torch.rand(T, K, generator=g).to(dev)
-    block = tile_configs(T * K, E, H, F, dev).route_block
-    routes = build_routes(ids, weights, E, block, None)
+    routes = random_routes(T, E, K, H, F)
     S = routes.num_slots
     bf = torch.bfloat16
     d_out, x = torch.randn(T, H, device=dev, dtype=bf), torch.randn(T, H, device=dev, dtype=bf)
     act, dy1 = torch.randn(S, F, device=dev, dtype=bf), torch.randn(S, 2 * F, device=dev, dtype=bf)
     dw_down = torch.empty(E, H, F, device=dev, dtype=bf)
     dw_gu = torch.empty(E, 2 * F, H, device=dev, dtype=bf)
-    copy_src = torch.empty(2 ** 30, device=dev, dtype=torch.uint8)
-    copy_dst = torch.empty_like(copy_src)
-    copy_ms = time_throughput(lambda: copy_dst.copy_(copy_src), 20, 3)
-    copy_gbs = 2 * copy_src.numel() / copy_ms / 1e6
+    copy_gbs = copy_bandwidth_gbs()
     floor_ms = (dw_down.numel() + dw_gu.numel()) * 2 / copy_gbs / 1e6  # the dW writes alone
     records, ref = [], None
     for cfg in CONFIGS:
