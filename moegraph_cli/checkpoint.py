@@ -27,7 +27,8 @@ A checkpoint holds one floating dtype (F32, BF16 or F16) throughout, as HF write
 slot with a `layout` (keys.py) is transposed / de-interleaved on load and put back on save.
 Tensors quantised to MXFP4 (`W_blocks` + `W_scales` uint8 in place of W, mxfp4.py; GPT-OSS's
 hub checkpoints, `quantization_config.quant_method` "mxfp4") are dequantised to the load dtype
-while loading; saving always writes unquantised tensors.
+while loading (only in a family that lists mxfp4; a scale of 255, E8M0's NaN, is refused);
+saving always writes unquantised tensors.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from safetensors import SafetensorError, safe_open  # the Rust reader alone: no 
 from .config import ModelConfig
 from .models.common.keys import Slot
 from .errors import EXIT_USAGE, CheckpointError, UsageError
-from .mxfp4 import BLOCKS, SCALES, packed_shapes
+from .mxfp4 import BLOCKS, QUANT_METHOD, SCALES, packed_shapes
 from .outputs import write_atomically
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: reading headers needs none
@@ -369,6 +370,17 @@ def plan_load(path: str | os.PathLike, cfg: ModelConfig) -> LoadPlan:
 
     # MXFP4: a tensor stored as its blocks and scales (mxfp4.py) in place of itself.
     packed = {k for k in table if k not in disk and k + BLOCKS in disk and k + SCALES in disk}
+    for key in sorted(k for k in table if k not in disk):
+        parts = [key + suffix for suffix in (BLOCKS, SCALES) if key + suffix in disk]
+        if len(parts) == 1:
+            other = key + (SCALES if parts[0].endswith(BLOCKS) else BLOCKS)
+            raise CheckpointError(f"checkpoint: tensor {other} is missing from {listing}; "
+                                  f"{parts[0]} in {disk[parts[0]][0]} needs it (mxfp4 stores "
+                                  f"{key} as both)")
+        if parts and QUANT_METHOD not in cfg.family.quant_methods:
+            raise CheckpointError(f"checkpoint: tensor {key} is stored as mxfp4 ({parts[0]} in "
+                                  f"{disk[parts[0]][0]}), which {cfg.model_type} checkpoints do "
+                                  "not use")
     missing = [k for k in table if k not in disk and k not in packed]
     if missing:
         raise CheckpointError(f"checkpoint: tensor {missing[0]} is missing from {listing}"
@@ -477,8 +489,11 @@ def read_tensor(r: TensorRead, t: "torch.Tensor", pending: dict,
     """Read `r`'s tensor `t` (or rows of it) in moegraph's layout. An MXFP4 part waits in
     `pending` for its other part (None); with both, the tensor dequantised to `dtype`."""
     if r.part:
-        from .mxfp4 import dequantize
+        from .mxfp4 import NAN_SCALE, dequantize
 
+        if r.part == SCALES and bool((t == NAN_SCALE).any()):  # it would load as inf / NaN
+            raise CheckpointError(f"checkpoint: tensor {r.hf_name} in {r.file} holds the E8M0 "
+                                  f"NaN scale {NAN_SCALE}; mxfp4 scales are 0..254")
         parts = pending.setdefault(r.target + str(r.index), {})
         parts[r.part] = t
         if len(parts) < 2:

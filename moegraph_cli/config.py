@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .documents import at, is_int, kind_of, parse_json, parse_yaml, read_text, show
+from .documents import (at, is_int, is_number, kind_of, parse_json, parse_yaml,
+                        read_text, show)
 from .errors import UsageError
 
 DEFAULT_PROFILE = "tiny-qwen3-moe"
@@ -168,6 +169,8 @@ class ModelConfig:
             ("swiglu_limit", c.swiglu_limit is None or c.swiglu_limit > 0,
              f"{prefix}swiglu_limit must be positive or null, got {show(c.swiglu_limit)}"),
         ]
+        yarn = _yarn_problem(c.rope_scaling) if "rope_scaling" in family.features else None
+        checks.append(("rope_scaling", yarn is None, f"{prefix}rope_scaling{yarn}"))
         checks += [(name, ok, f"{prefix}{msg}") for name, ok, msg in
                    [*feature_checks(family, c), *family.checks(c)]]
         for name, ok, msg in checks:
@@ -202,8 +205,11 @@ class ModelConfig:
         d = dict(d)
         quant = d.get("quantization_config")
         if quant is not None:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            if method not in family.quant_methods:
+            if not isinstance(quant, dict):
+                raise UsageError(f"{source}: quantization_config must be an object or null, got "
+                                 f"{show(quant)}")
+            method = quant.get("quant_method")
+            if not (isinstance(method, str) and method in family.quant_methods):
                 known = "".join(f" and {m}" for m in sorted(family.quant_methods))
                 raise UsageError(f"{source}: quantization_config.quant_method {show(method)} "
                                  f"is not supported for {family.model_type} checkpoints "
@@ -214,6 +220,11 @@ class ModelConfig:
                                  f"{show(d[name])}")
         rope = d.get("rope_parameters") or d.get("rope_scaling")
         if rope:
+            if "rope_type" not in rope and "type" not in rope and set(rope) - {"rope_theta"}:
+                # transformers fails on it; read as the default rope, its factor would be lost
+                name = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+                raise UsageError(f"{source}: {name} has no rope_type; give 'default' or 'yarn' "
+                                 f"(got {show(rope)})")
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type != "default" and "rope_scaling" not in family.features:
                 raise UsageError(f"{source}: rope type {show(rope_type)} is not supported "
@@ -470,6 +481,33 @@ def _check_int_sizes(obj, prefix: str) -> None:
         if is_int(value) and value > MAX_INT:
             raise _invalid(f.name, f"{prefix}{f.name} {show(value)} is too large (at most "
                            f"{MAX_INT})")
+
+
+def _yarn_problem(rope: dict | None) -> str | None:
+    """What is wrong with the values of a yarn `rope_scaling`, as the end of a message
+    (".factor must be ..."); None when nothing is. The keys allowed and rope_type are each
+    family's check; these values reach the rope's arithmetic (math.log, a division)."""
+    if not rope or rope.get("rope_type") != "yarn":
+        return None
+    for key in ("factor", "original_max_position_embeddings"):
+        if rope.get(key) is None:
+            return f" needs {key} for yarn (transformers requires it), got {show(rope)}"
+    for key in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "attention_factor"):
+        value = rope.get(key)
+        if value is not None and not is_number(value):
+            return f".{key} must be a finite number, got {show(value)}"
+    for key in ("factor", "attention_factor"):
+        value = rope.get(key)
+        if value is not None and value <= 0:
+            return f".{key} must be positive, got {show(value)}"
+    original = rope["original_max_position_embeddings"]
+    if is_int(original) and not 0 < original <= MAX_INT:
+        return (f".original_max_position_embeddings must be in 1..{MAX_INT}, got "
+                f"{show(original)}")
+    if rope.get("truncate") is not None and not isinstance(rope["truncate"], bool):
+        return f".truncate must be true or false, got {show(rope['truncate'])}"
+    return None
 
 
 def _invalid(field_name: str, message: str) -> UsageError:

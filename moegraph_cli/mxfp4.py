@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is dequantised: `inspect` 
 QUANT_METHOD = "mxfp4"
 BLOCKS, SCALES = "_blocks", "_scales"  # suffixes of the two stored parts of a tensor
 GROUP = 32  # values per scale
+NAN_SCALE = 255  # E8M0's NaN: no valid tensor has it (checkpoint.py refuses it)
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 

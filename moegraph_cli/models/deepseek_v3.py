@@ -23,7 +23,7 @@ from __future__ import annotations
 from ..documents import show
 from ..errors import UsageError
 from .common.keys import dense_mlp_keys, expert_keys, model_keys
-from .registry import Family, require
+from .registry import Family, one_spelling, require, require_ints
 
 # config.json fields read under ModelConfig's names.
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -43,12 +43,9 @@ ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_sl
 
 
 def read_config(d: dict, source: str) -> dict:
-    if "n_routed_experts" not in d:  # the attribute_map's spellings
-        for alias in ("num_local_experts", "num_experts"):
-            if alias in d:
-                d["n_routed_experts"] = d[alias]
-                break
+    one_spelling(d, "n_routed_experts", ("num_local_experts", "num_experts"), source)
     require(d, REQUIRED, source)
+    require_ints(d, (*RENAMED, "qk_rope_head_dim"), source)  # renamed, or copied to head_dim
     if "q_lora_rank" not in d:
         raise UsageError(f"{source}: missing required field 'q_lora_rank' (null for a plain "
                          "q_proj)")

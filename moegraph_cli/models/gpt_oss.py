@@ -30,7 +30,7 @@ from __future__ import annotations
 from ..documents import show
 from ..errors import UsageError
 from .common.keys import attention_keys, model_keys
-from .registry import Family, require
+from .registry import Family, one_spelling, require, require_ints
 
 # config.json fields read under ModelConfig's names.
 FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -52,17 +52,19 @@ DEFAULTS = {"sliding_window": 128, "attention_bias": True, "rope_theta": 150000.
 
 
 def read_config(d: dict, source: str) -> dict:
-    if "num_local_experts" not in d and "num_experts" in d:  # the attribute_map's spelling
-        d["num_local_experts"] = d["num_experts"]
-    if d.get("num_experts_per_tok") is None and "experts_per_token" in d:  # 4.x hub files
-        d["num_experts_per_tok"] = d["experts_per_token"]
+    from ..config import MAX_INT
+
+    one_spelling(d, "num_local_experts", ("num_experts",), source)  # the attribute_map's
+    one_spelling(d, "num_experts_per_tok", ("experts_per_token",), source)  # 4.x hub files
     require(d, REQUIRED, source)
+    require_ints(d, (*RENAMED, "num_hidden_layers"), source)
     if d.get("num_key_value_heads") is None:
         d["num_key_value_heads"] = d["num_attention_heads"]  # transformers' rule
     for name, value in DEFAULTS.items():
         if name not in d:
             d[name] = value
-    if d.get("layer_types") is None:
+    if d.get("layer_types") is None and 0 < d["num_hidden_layers"] <= MAX_INT:
+        # (a count out of range is validation's to name, before a list of that length)
         d["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
                             for i in range(d["num_hidden_layers"])]
     has_rope = "rope_parameters" in d or "rope_scaling" in d
@@ -109,6 +111,10 @@ def checks(cfg) -> list[tuple[str, bool, str]]:
         ("layer_types", len(cfg.layer_types) == cfg.num_hidden_layers,
          f"layer_types must name the attention of each of the {cfg.num_hidden_layers} layers "
          f"for gpt_oss, got {show(cfg.layer_types)}"),
+        ("sliding_window", cfg.sliding_window is not None
+         or "sliding_attention" not in cfg.layer_types,
+         "sliding_window must be set for gpt_oss when layer_types has 'sliding_attention' "
+         "layers (transformers' default is 128), got null"),
         ("swiglu_limit", cfg.swiglu_limit is not None and cfg.swiglu_alpha is not None,
          "swiglu_limit and swiglu_alpha must be set for gpt_oss (transformers' 7.0 and 1.702)"),
         ("rope_scaling", rope_ok,

@@ -14,7 +14,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..documents import show
+from ..documents import is_int, show
 from ..errors import UsageError
 
 if TYPE_CHECKING:
@@ -89,6 +89,27 @@ def require(d: dict, names: tuple[str, ...], source: str) -> None:
     missing = [n for n in names if d.get(n) is None]
     if missing:
         raise UsageError(f"{source}: missing required field {missing[0]!r}")
+
+
+def one_spelling(d: dict, name: str, aliases: tuple[str, ...], source: str) -> None:
+    """Set `d[name]` (an HF spelling) from the first of `aliases` given when it is absent or
+    null; two spellings given with different values are refused (which one transformers reads
+    depends on its version)."""
+    given = [(k, d[k]) for k in (name, *aliases) if d.get(k) is not None]
+    for key, value in given[1:]:
+        if value != given[0][1]:
+            raise UsageError(f"{source}: {given[0][0]} {show(given[0][1])} and {key} "
+                             f"{show(value)} disagree; give one")
+    if given:
+        d[name] = given[0][1]
+
+
+def require_ints(d: dict, names: tuple[str, ...], source: str) -> None:
+    """Refuse a non-integer in one of `names` (HF spellings) before a family renames it or
+    computes with it, so the message names config.json's field."""
+    for name in names:
+        if name in d and not is_int(d[name]):
+            raise UsageError(f"{source}: {name}: expected int, got {show(d[name])}")
 
 
 def families() -> dict[str, Family]:
