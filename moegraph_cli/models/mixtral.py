@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..documents import show
 from ..errors import UsageError
 from .common.keys import attention_keys, expert_keys, model_keys
-from .registry import Family, require
+from .registry import Family, one_spelling, require
 
 # config.json fields read under ModelConfig's names.
 FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -28,8 +28,7 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
 
 
 def read_config(d: dict, source: str) -> dict:
-    if "num_local_experts" not in d and "num_experts" in d:  # the attribute_map's spelling
-        d["num_local_experts"] = d["num_experts"]
+    one_spelling(d, "num_local_experts", ("num_experts",), source)  # the attribute_map's
     jitter = d.get("router_jitter_noise") or 0
     if jitter:
         raise UsageError(f"{source}: router_jitter_noise {show(jitter)} is not supported "

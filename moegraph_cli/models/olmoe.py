@@ -12,7 +12,7 @@ Shared parts: common.attention (qk_norm="proj", clip_qkv), common.ffn (MoeScope)
 from __future__ import annotations
 
 from .common.keys import attention_keys, expert_keys, model_keys
-from .registry import Family, require
+from .registry import Family, one_spelling, require
 
 # config.json fields read under ModelConfig's names.
 FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -30,8 +30,7 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
 
 
 def read_config(d: dict, source: str) -> dict:
-    if "num_experts" not in d and "num_local_experts" in d:
-        d["num_experts"] = d["num_local_experts"]
+    one_spelling(d, "num_experts", ("num_local_experts",), source)
     require(d, REQUIRED, source)
     if d.get("num_key_value_heads") is None and "num_attention_heads" in d:
         d["num_key_value_heads"] = d["num_attention_heads"]  # transformers' rule

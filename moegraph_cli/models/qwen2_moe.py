@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from .common.keys import attention_keys, dense_mlp_keys, expert_keys, model_keys
-from .registry import Family, require
+from .registry import Family, one_spelling, require
 
 # config.json fields read, under the same names in ModelConfig.
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -31,8 +31,7 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_
 
 
 def read_config(d: dict, source: str) -> dict:
-    if "num_experts" not in d and "num_local_experts" in d:
-        d["num_experts"] = d["num_local_experts"]
+    one_spelling(d, "num_experts", ("num_local_experts",), source)
     if d.get("use_sliding_window"):
         raise UsageError(f"{source}: use_sliding_window=true is not supported")
     layer_types = d.get("layer_types")

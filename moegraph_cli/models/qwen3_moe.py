@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from .common.keys import attention_keys, dense_mlp_keys, expert_keys, model_keys
-from .registry import Family
+from .registry import Family, one_spelling
 
 # config.json fields read, under the same names in ModelConfig.
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -23,8 +23,7 @@ FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_si
 
 
 def read_config(d: dict, source: str) -> dict:
-    if "num_experts" not in d and "num_local_experts" in d:  # transformers 5.x
-        d["num_experts"] = d["num_local_experts"]
+    one_spelling(d, "num_experts", ("num_local_experts",), source)  # transformers 5.x
     if d.get("use_sliding_window"):
         raise UsageError(f"{source}: use_sliding_window=true is not supported")
     return {k: d[k] for k in FIELDS if k in d}

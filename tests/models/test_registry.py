@@ -106,3 +106,24 @@ def test_a_field_transformers_would_default_is_required(model_type, field):
     del d[field]
     with pytest.raises(UsageError, match=f"config.json: missing required field '{field}'"):
         ModelConfig.from_hf_dict(d)
+
+
+@pytest.mark.parametrize("model_type,name,alias", [
+    ("qwen3_moe", "num_experts", "num_local_experts"), ("qwen2_moe", "num_experts",
+                                                        "num_local_experts"),
+    ("olmoe", "num_experts", "num_local_experts"), ("mixtral", "num_local_experts",
+                                                    "num_experts"),
+    ("gpt_oss", "num_local_experts", "num_experts"),
+    ("deepseek_v3", "n_routed_experts", "num_local_experts")])
+def test_two_spellings_of_the_expert_count_must_agree(model_type, name, alias):
+    """Which spelling transformers reads depends on its version: two that disagree are
+    refused naming both; two that agree load."""
+    from moegraph_cli.models.registry import families
+
+    family = families()[model_type]
+    with pytest.raises(UsageError, match=f"{name} 8 and {alias} 4 disagree"):
+        family.read_config({name: 8, alias: 4}, "config.json")
+    try:  # agreeing spellings get past that check (other fields may still be missing)
+        family.read_config({name: 8, alias: 8}, "config.json")
+    except UsageError as e:
+        assert "disagree" not in str(e)
