@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("profile", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe",
-                                     "tiny-deepseek-v3"])
+                                     "tiny-deepseek-v3", "tiny-gpt-oss"])
 def test_bf16_fused_matches_torch_path(profile, monkeypatch):
     """Both bf16 paths against the same weights in fp32 (torch path): the fused path's
     gradient error is at most twice the torch path's, over the whole model and per parameter
