@@ -41,7 +41,7 @@ for arg in "$@"; do
     step_ops) cmd="python3 benchmarks/step_ops.py --out $WORK/step_ops.json" ;;
     variants_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py" ;;
     variants) cmd="python3 benchmarks/moe_experts.py --variants --out $WORK/moe_variants.json" ;;
-    fused_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_fused_cuda.py" ;;
+    fused_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_fused_cuda.py tests/kernels/test_rmsnorm.py tests/kernels/test_rope.py tests/kernels/test_combine.py" ;;
     new_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_embedding_backward_cuda.py tests/gpu/test_route_align_cuda.py tests/gpu/test_gpt_oss_experts_cuda.py" ;;
     rest_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_optim.py tests/test_loss.py --ignore=tests/gpu/test_fused_cuda.py --ignore=tests/gpu/test_embedding_backward_cuda.py --ignore=tests/gpu/test_route_align_cuda.py --ignore=tests/gpu/test_gpt_oss_experts_cuda.py" ;;
     wgrad_sweep) cmd="python3 benchmarks/wgrad_sweep.py --out $WORK/wgrad_sweep.json" ;;
