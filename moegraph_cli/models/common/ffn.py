@@ -18,15 +18,13 @@ and combine collectives run inside it (moe/ep.py), so a captured moe graph conta
 Routes dropped by capacity are counted on the device in `dropped_routes` (no sync).
 """
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ... import grads
 from ...config import ModelConfig, MoeConfig
-from ...moe.activation import ExpertAct
+from ...moe.activation import SWIGLU, ExpertAct
 from ...moe.ep import EpGroup, ep_moe
 from ...moe.reference import reference_experts
 from ...moe.routing import (aux_stats, expert_load_E, local_dispatch, route, route_grouped,
@@ -121,17 +119,17 @@ class MoeScope(nn.Module):
             topk_ids_TK, topk_weights_TK, probs_TE = route(
                 x_TH, grads.through(self.router.weight), self.top_k, self.norm_topk_prob)
         experts = experts_fn(self.backend, x_TH.device)
-        if self.b_gate_up is not None or self.act is not None:  # GPT-OSS; others call as ever
-            experts = functools.partial(experts, b_gate_up=self.b_gate_up, b_down=self.b_down,
-                                        **({} if self.act is None else {"act": self.act}))
         if self.ep is not None:
             y_TH, dropped = ep_moe(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up,
-                                   self.w_down, self.capacity_factor, self.ep, experts)
+                                   self.w_down, self.capacity_factor, self.ep, experts,
+                                   b_gate_up_local=self.b_gate_up, b_down_local=self.b_down,
+                                   act=self.act)
         else:
             dispatch = local_dispatch(topk_ids_TK, topk_weights_TK, self.w_gate_up.shape[0],
                                       self.capacity_factor)
             y_TH = experts(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up, self.w_down,
-                           dispatch)
+                           dispatch, b_gate_up=self.b_gate_up, b_down=self.b_down,
+                           act=self.act or SWIGLU)
             dropped = None if dispatch.keep_TK is None else (~dispatch.keep_TK).sum()
         if dropped is not None:
             self.dropped_routes.add_(dropped.reshape(1))
