@@ -10,7 +10,6 @@ Run: python3 benchmarks/combine_sweep.py --tokens 8192 --out $OUT/combine_sweep.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from common import write_records  # noqa: E402
 from moe_experts import copy_bandwidth_gbs, random_routes, time_throughput  # noqa: E402
 
 from moegraph_cli.harness import device_info  # noqa: E402
+from moegraph_kernels import combine  # noqa: E402
 from moegraph_kernels.combine import gather_combine  # noqa: E402
 
 TILES = [(4, 1024, 4), (1, 2048, 8), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (8, 512, 8),
@@ -41,7 +41,7 @@ def main() -> None:
     floor_ms = (T * K * H + T * H) * 2 / copy_gbs / 1e6  # every route row read, out written
     records, ref = [], None
     for tile in TILES:
-        os.environ["MOEGRAPH_COMBINE_TILE"] = ",".join(map(str, tile))
+        combine.TILE_OVERRIDE = tile
         rec = {"tile": list(tile), "tokens": T, **device_info()}
         try:
             rec["ms"] = time_throughput(lambda: gather_combine(src, routes.token_slots, out),
@@ -54,7 +54,7 @@ def main() -> None:
         rec.update(copy_gbs=copy_gbs, floor_ms=floor_ms)
         records.append(rec)
         print(rec, flush=True)
-    del os.environ["MOEGRAPH_COMBINE_TILE"]
+    combine.TILE_OVERRIDE = None
     ok = [r for r in records if "ms" in r and r["bitwise_vs_first"]]
     best = min(ok, key=lambda r: r["ms"])
     write_records(records, args.out)

@@ -20,6 +20,12 @@ import triton
 import triton.language as tl
 
 
+# A tile chosen by benchmarks/combine_sweep.py, (block_t, block_h, warps): from
+# MOEGRAPH_COMBINE_TILE="block_t,block_h,warps", read once here, not on every call.
+_TILE_ENV = os.environ.get("MOEGRAPH_COMBINE_TILE")
+TILE_OVERRIDE = tuple(int(v) for v in _TILE_ENV.split(",")) if _TILE_ENV else None
+
+
 @triton.jit
 def _gather_combine_kernel(
     src_ptr, token_slots_ptr, out_ptr,
@@ -46,9 +52,8 @@ def gather_combine(src_SH: torch.Tensor, token_slots_TK: torch.Tensor,
     hidden = src_SH.shape[1]
     if src_SH.is_cuda:
         block_t, block_h, warps = 4, min(1024, triton.next_power_of_2(hidden)), 4
-        tile = os.environ.get("MOEGRAPH_COMBINE_TILE")  # "block_t,block_h,warps" (a sweep's)
-        if tile:
-            block_t, block_h, warps = (int(v) for v in tile.split(","))
+        if TILE_OVERRIDE is not None:
+            block_t, block_h, warps = TILE_OVERRIDE
     else:
         block_t, block_h, warps = 16, min(64, triton.next_power_of_2(hidden)), 1
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))

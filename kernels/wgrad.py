@@ -39,6 +39,12 @@ from .gather_gemm import GemmConfig, grouped_pid
 from .route_align import RouteList
 
 
+# MOEGRAPH_WGRAD_SHORT="bm,bn,bk,group,warps,stages" (what benchmarks/wgrad_sweep.py prints),
+# read once here, not on every call.
+_SHORT_ENV = os.environ.get("MOEGRAPH_WGRAD_SHORT")
+SHORT_OVERRIDE = GemmConfig(*(int(v) for v in _SHORT_ENV.split(","))) if _SHORT_ENV else None
+
+
 def wgrad_config(n: int, device: torch.device,
                  routes_per_expert: float | None = None) -> GemmConfig:
     """The dW tile for an N-wide weight. `routes_per_expert` (T * k / E, known on the host)
@@ -51,10 +57,7 @@ def wgrad_config(n: int, device: torch.device,
         # Two K iterations an expert at T = 1024: a deep pipeline only costs shared memory
         # and occupancy. The H200 sweep (results/wgrad_sweep.json): both dW kernels of a
         # Qwen3-30B layer 0.645 ms at the long-loop tile below, 0.560 ms at this one.
-        short = os.environ.get("MOEGRAPH_WGRAD_SHORT")
-        if short:
-            return GemmConfig(*(int(v) for v in short.split(",")))
-        return GemmConfig(128, 128, 32, 8, 4, 2)
+        return SHORT_OVERRIDE or GemmConfig(128, 128, 32, 8, 4, 2)
     # 128 x 128 x 32, 5 stages: 16 KB/stage, 80 KB of shared memory; short K loops (an
     # expert's slot count) favour a moderate tile. The H200 sweep (benchmarks/moe_experts.py
     # --sweep) put it ahead of K tile 64 x 4 stages for both weights (335 vs 329 TFLOP/s).

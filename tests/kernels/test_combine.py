@@ -47,7 +47,7 @@ def test_matches_reference_and_writes_every_element(T, k, H, drop):
 def test_tile_changes_no_value_on_cuda(tile, monkeypatch):
     src, slots = _case(1024, 8, 2048, 0.1, seed=0, device="cuda", dtype=torch.bfloat16)
     ref = combine_ref(src, slots)
-    monkeypatch.setenv("MOEGRAPH_COMBINE_TILE", tile)
+    monkeypatch.setattr(combine, "TILE_OVERRIDE", tuple(int(v) for v in tile.split(",")))
     out = torch.full((1024, 2048), math.nan, device="cuda", dtype=torch.bfloat16)
     combine.gather_combine(src, slots, out)
     assert torch.equal(out, ref)
