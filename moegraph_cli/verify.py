@@ -53,20 +53,6 @@ def _grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> tuple[float, str]:
     return worst, where
 
 
-class _Released:
-    """What verify still reads from a session it has torn down: the backend's name."""
-
-    class _Backend:
-        def __init__(self, name: str):
-            self.name = name
-
-    def __init__(self, backend_name: str):
-        self.backend = self._Backend(backend_name)
-
-    def uninstall(self) -> None:
-        pass
-
-
 def _free_memory(device: torch.device) -> float:
     if device.type != "cuda":
         return float("inf")
@@ -113,6 +99,7 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
             session.uninstall()
             raise NotCapturableError(f"capture failed: {failure}")
         graph_trainer.session = session
+        backend_name = session.backend.name
         bar.advance("steps")
         if side_by_side:
             eager_model, eager_trainer = make()
@@ -135,11 +122,10 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
             saved = {n: _local(p.grad).detach().to("cpu")
                      for n, p in graph_model.named_parameters()}
             stats = session.stats()
-            # Drop every reference to the graphs and their pools (the session is kept only as
-            # a name below) so the eager model gets their memory back.
+            # Drop every reference to the graphs and their pools so the eager model gets
+            # their memory back.
             session.uninstall()
-            graph_trainer.session = None
-            session = _Released(session.backend.name)
+            graph_trainer.session = session = None
             del graph_model, graph_trainer
             gc.collect()
             torch.cuda.empty_cache()
@@ -159,7 +145,8 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
     if reference == "transformers":
         from .reference_check import logits_parity
         ref = logits_parity(eager_model, first, reference)
-    session.uninstall()
+    if session is not None:  # the sequential path tore it down already
+        session.uninstall()
 
     bitwise = all(a == b for a, b in zip(eager_losses, graph_losses))
     if lr0:
@@ -184,7 +171,7 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
               "bitwise_equal": bitwise, "grad_max_abs": grad_max, "grad_worst": grad_worst,
               "grads_compared": "every step" if side_by_side else "last step",
               "counters": stats["totals"], "reference": ref, "passed": passed,
-              "verdict": verdict, "graphs": session.backend.name, **device_info()}
+              "verdict": verdict, "graphs": backend_name, **device_info()}
     if rt is None:
         return result
     del eager_model, eager_trainer
