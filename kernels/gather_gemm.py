@@ -51,6 +51,7 @@ The shared gathered K loop (`gathered_k_loop`) serves fc1_swiglu and dact_swiglu
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import NamedTuple
 
@@ -149,10 +150,18 @@ def _cuda_config(block_m: int, n: int, block_n: int, block_k: int = 64, stages: 
     return GemmConfig(block_m, block_n, block_k, 8, warps, stages)
 
 
+# An FC1 tile chosen by benchmarks/fc1_sweep.py, from MOEGRAPH_FC1_TILE="bm,bn,bk,group,warps,
+# stages", read once here. It applies where the slot block is at least its block_m.
+_FC1_ENV = os.environ.get("MOEGRAPH_FC1_TILE")
+FC1_TILE_OVERRIDE = GemmConfig(*(int(v) for v in _FC1_ENV.split(","))) if _FC1_ENV else None
+
+
 def fc1_config(ffn: int, block_m: int, device: torch.device) -> GemmConfig:
     """block_n is per half: a program computes [BM, BN] of gate and [BM, BN] of up."""
     if device.type != "cuda":
         return GemmConfig(block_m, 32, 32, 4, 4, 1)
+    if FC1_TILE_OVERRIDE is not None and FC1_TILE_OVERRIDE.block_m <= block_m:
+        return FC1_TILE_OVERRIDE
     # 128 x (2 x 128) output tile, K tile 32, 5 stages: (128*32 + 256*32) * 2 B = 24 KB/stage,
     # 120 KB. Chosen by `benchmarks/moe_experts.py --sweep` on the H200 (448 vs 439 TFLOP/s for
     # K tile 64 x 3 stages at the Qwen3 shape, T=8192).

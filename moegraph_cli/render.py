@@ -282,6 +282,12 @@ def verify_result(r: dict, as_json: bool) -> None:
     elif ref:
         out.print(f"logits vs {ref['impl']} (fp32 copies of both): max-abs {ref['max_abs']:.3g} "
                   f"(tolerance {ref['tolerance']:g})")
+        if ref.get("first_near_tie") is not None:
+            before = ref.get("max_abs_before_near_tie")
+            out.print(f"  router near-tie (margin {ref['min_router_margin']:.3g}) first at "
+                      f"position {ref['first_near_tie']}; max-abs before it "
+                      + ("-" if before is None else f"{before:.3g}")
+                      + f"; first position over tolerance: {ref.get('first_over_tolerance')}")
     c = r.get("counters", {})
     if c:
         out.print(f"graph side: captured {c['captured']}  replayed {c['replayed']}  "

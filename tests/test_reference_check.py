@@ -44,3 +44,41 @@ def test_a_wrong_weight_is_caught():
     finally:
         reference_check.fp32_reference_copy = real
     assert not r["passed"] and r["max_abs"] > 1e-4
+
+
+def test_parity_reports_router_margins():
+    model = MoeCausalLM.from_profile("tiny-qwen2-moe", dtype=torch.float32, overrides=SMALL)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    r = logits_parity(model, ids)
+    assert r["passed"] and r["min_router_margin"] > 0
+    assert r["max_abs_before_near_tie"] == r["max_abs"] or r["first_near_tie"] is not None
+
+
+def test_an_exact_router_tie_is_found_at_the_first_position():
+    """Every router row equal: every token's k-th and (k+1)-th scores tie in every layer."""
+    from moegraph_cli.reference_check import logits_and_margins
+
+    model = MoeCausalLM.from_profile("tiny-qwen3-moe", dtype=torch.float32, overrides=SMALL)
+    with torch.no_grad():
+        for layer in model.layers:
+            if layer.is_moe:
+                w = layer.moe.router.weight
+                w.copy_(w[:1].expand_as(w))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits, margin = logits_and_margins(model, ids)
+    assert logits.shape[:2] == ids.shape and margin.shape == ids.shape
+    assert (margin == 0).all()
+
+
+def test_explain_gap_compares_the_prefix_before_the_first_tie():
+    from moegraph_cli.reference_check import explain_gap
+
+    gap = torch.tensor([[1e-6, 2e-6, 5e-2, 3e-2], [1e-6, 3e-6, 1e-6, 4e-6]])
+    margin = torch.tensor([[0.3, 0.2, 1e-7, 0.5], [0.1, 0.2, 0.3, float("inf")]])
+    r = explain_gap(gap, margin)
+    assert r["near_ties"] == 1 and r["first_near_tie"] == 2 and r["first_over_tolerance"] == 2
+    assert r["max_abs_before_near_tie"] == pytest.approx(4e-6)
+    assert r["min_router_margin"] == pytest.approx(1e-7)
+    none = explain_gap(gap[1:], margin[1:])
+    assert none["first_near_tie"] is None and none["first_over_tolerance"] is None
+    assert none["max_abs_before_near_tie"] == pytest.approx(4e-6)

@@ -126,6 +126,20 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
         assert all(c.variant == "base" for c in chosen[5:])
 
 
+def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
+    """MOEGRAPH_FC1_TILE (benchmarks/fc1_sweep.py's winner) replaces the FC1 tile at slot
+    blocks of at least its block_m, keeps the default below, and never touches the CPU."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    default64, default128 = gg.fc1_config(768, 64, cuda), gg.fc1_config(768, 128, cuda)
+    tile = gg.GemmConfig(128, 128, 64, 8, 8, 4)
+    monkeypatch.setattr(gg, "FC1_TILE_OVERRIDE", tile)
+    assert gg.fc1_config(768, 128, cuda) == tile != default128
+    assert gg.fc1_config(768, 64, cuda) == default64
+    assert gg.fc1_config(768, 128, cpu) == gg.GemmConfig(128, 32, 32, 4, 4, 1)
+    chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
+    assert chosen.fc1 == tile.with_variant("tma")
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("variant", VARIANTS)
