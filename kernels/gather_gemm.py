@@ -162,10 +162,14 @@ def fc1_config(ffn: int, block_m: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m, 32, 32, 4, 4, 1)
     if FC1_TILE_OVERRIDE is not None and FC1_TILE_OVERRIDE.block_m <= block_m:
         return FC1_TILE_OVERRIDE
-    # 128 x (2 x 128) output tile, K tile 32, 5 stages: (128*32 + 256*32) * 2 B = 24 KB/stage,
-    # 120 KB. Chosen by `benchmarks/moe_experts.py --sweep` on the H200 (448 vs 439 TFLOP/s for
-    # K tile 64 x 3 stages at the Qwen3 shape, T=8192).
-    return _cuda_config(min(block_m, 128), ffn, 128, block_k=32, stages=5)
+    if block_m >= 128:
+        # 128-row blocks (many routes per expert): K tile 64, 4 stages, (128*64 + 256*64) *
+        # 2 B = 48 KB/stage, 192 KB; group 4. `benchmarks/fc1_sweep.py` on the H200, Qwen3
+        # shape, T=8192, TMA weights, bitwise equal: 0.837 -> 0.795 ms (493 -> 519 TFLOP/s).
+        return _cuda_config(128, ffn, 128, block_k=64, stages=4)._replace(group_m=4)
+    # Smaller blocks: a block_m x (2 x 128) output tile, K tile 32, 5 stages: 120 KB at 128
+    # rows. Chosen by `benchmarks/moe_experts.py --sweep` on the H200 before the TMA variant.
+    return _cuda_config(block_m, ffn, 128, block_k=32, stages=5)
 
 
 def slot_gemm_config(n: int, block_m: int, device: torch.device) -> GemmConfig:

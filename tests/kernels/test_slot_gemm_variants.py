@@ -126,12 +126,21 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
         assert all(c.variant == "base" for c in chosen[5:])
 
 
+def test_fc1_default_tiles_by_slot_block():
+    """The H200's measured choice (benchmarks/fc1_sweep.py): K tile 64 at 128-row blocks."""
+    cuda = torch.device("cuda")
+    assert tuple(gg.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
+                                                    False)
+    assert tuple(gg.fc1_config(768, 64, cuda))[:6] == (64, 128, 32, 8, 4, 5)
+    assert gg.fc1_config(1408, 128, cuda).block_n == 128  # 1408 = 11 x 128
+
+
 def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
     """MOEGRAPH_FC1_TILE (benchmarks/fc1_sweep.py's winner) replaces the FC1 tile at slot
     blocks of at least its block_m, keeps the default below, and never touches the CPU."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     default64, default128 = gg.fc1_config(768, 64, cuda), gg.fc1_config(768, 128, cuda)
-    tile = gg.GemmConfig(128, 128, 64, 8, 8, 4)
+    tile = gg.GemmConfig(128, 128, 32, 16, 8, 5)
     monkeypatch.setattr(gg, "FC1_TILE_OVERRIDE", tile)
     assert gg.fc1_config(768, 128, cuda) == tile != default128
     assert gg.fc1_config(768, 64, cuda) == default64
