@@ -8,7 +8,8 @@
 # sink_attention (GPT-OSS's attention choices), slice_reference (fp32 logits vs transformers on the slices),
 # experts_forward (the whole expert forward graphed at T = 8192 and 32768, TFLOP/s),
 # combine_sweep (the gather-combine tile; its winner is exported to the stages after it),
-# fc1_sweep (the FC1 tile at 128-row blocks, likewise exported), slice_reference_qwen2
+# fc1_sweep / fc2_sweep (the FC1 / FC2 tile at 128-row blocks, likewise exported),
+# slice_reference_qwen2
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=/tmp/mg_work; mkdir -p "$WORK"   # everything lands here; $OUT gets one archive (file limit)
@@ -47,7 +48,8 @@ for arg in "$@"; do
     rest_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_optim.py tests/test_loss.py --ignore=tests/gpu/test_fused_cuda.py --ignore=tests/gpu/test_embedding_backward_cuda.py --ignore=tests/gpu/test_route_align_cuda.py --ignore=tests/gpu/test_gpt_oss_experts_cuda.py" ;;
     wgrad_sweep) cmd="python3 benchmarks/wgrad_sweep.py --out $WORK/wgrad_sweep.json" ;;
     architectures_new) cmd="python3 benchmarks/architectures.py --only tiny-gpt-oss,gpt-oss-20b-4layer,qwen1.5-moe-a2.7b-4layer --out $WORK/architectures_new.json" ;;
-    fc1_sweep) cmd="python3 benchmarks/fc1_sweep.py --tokens 8192 --out $WORK/fc1_sweep.json" ;;
+    fc1_sweep) cmd="python3 benchmarks/tile_sweep.py --kernel fc1 --tokens 8192 --out $WORK/fc1_sweep.json" ;;
+    fc2_sweep) cmd="python3 benchmarks/tile_sweep.py --kernel fc2 --tokens 8192 --out $WORK/fc2_sweep.json" ;;
     slice_reference_qwen2) cmd="python3 benchmarks/architectures.py --reference-only qwen2-57b-a14b-4layer --out $WORK/slice_reference_qwen2.json" ;;
     combine_sweep) cmd="python3 benchmarks/combine_sweep.py --tokens 8192 --out $WORK/combine_sweep.json" ;;
     experts_forward) cmd="python3 benchmarks/expert_breakdown.py --tokens 8192,32768 --only default,grouped_mm_baseline --out $WORK/experts_forward.json" ;;
@@ -69,8 +71,8 @@ for arg in "$@"; do
     v=$(grep -o 'MOEGRAPH_COMBINE_TILE=[0-9,]*' "$WORK/combine_sweep.log" | tail -1)
     [ -n "$v" ] && export "$v" && echo "exported $v"
   fi
-  if [ "$stage" = fc1_sweep ]; then
-    v=$(grep -o 'MOEGRAPH_FC1_TILE=[0-9,]*' "$WORK/fc1_sweep.log" | tail -1)
+  if [ "$stage" = fc1_sweep ] || [ "$stage" = fc2_sweep ]; then
+    v=$(grep -o 'MOEGRAPH_FC[12]_TILE=[0-9,]*' "$WORK/$stage.log" | tail -1)
     [ -n "$v" ] && export "$v" && echo "exported $v"
   fi
   if [ "$stage" = wgrad_sweep ]; then

@@ -150,10 +150,16 @@ def _cuda_config(block_m: int, n: int, block_n: int, block_k: int = 64, stages: 
     return GemmConfig(block_m, block_n, block_k, 8, warps, stages)
 
 
-# An FC1 tile chosen by benchmarks/fc1_sweep.py, from MOEGRAPH_FC1_TILE="bm,bn,bk,group,warps,
-# stages", read once here. It applies where the slot block is at least its block_m.
-_FC1_ENV = os.environ.get("MOEGRAPH_FC1_TILE")
-FC1_TILE_OVERRIDE = GemmConfig(*(int(v) for v in _FC1_ENV.split(","))) if _FC1_ENV else None
+def _tile_from_env(name: str) -> GemmConfig | None:
+    value = os.environ.get(name)
+    return GemmConfig(*(int(v) for v in value.split(","))) if value else None
+
+
+# FC1 and FC2 tiles chosen by benchmarks/tile_sweep.py, from MOEGRAPH_FC1_TILE /
+# MOEGRAPH_FC2_TILE = "bm,bn,bk,group,warps,stages", read once here. Each applies where the
+# slot block is at least its block_m; the variant (TMA, persistent) stays the product's.
+FC1_TILE_OVERRIDE = _tile_from_env("MOEGRAPH_FC1_TILE")
+FC2_TILE_OVERRIDE = _tile_from_env("MOEGRAPH_FC2_TILE")
 
 
 def fc1_config(ffn: int, block_m: int, device: torch.device) -> GemmConfig:
@@ -164,7 +170,7 @@ def fc1_config(ffn: int, block_m: int, device: torch.device) -> GemmConfig:
         return FC1_TILE_OVERRIDE
     if block_m >= 128:
         # 128-row blocks (many routes per expert): K tile 64, 4 stages, (128*64 + 256*64) *
-        # 2 B = 48 KB/stage, 192 KB; group 4. `benchmarks/fc1_sweep.py` on the H200, Qwen3
+        # 2 B = 48 KB/stage, 192 KB; group 4. `benchmarks/tile_sweep.py` on the H200, Qwen3
         # shape, T=8192, TMA weights, bitwise equal: 0.837 -> 0.795 ms (493 -> 519 TFLOP/s).
         return _cuda_config(128, ffn, 128, block_k=64, stages=4)._replace(group_m=4)
     # Smaller blocks: a block_m x (2 x 128) output tile, K tile 32, 5 stages: 120 KB at 128
@@ -177,6 +183,14 @@ def slot_gemm_config(n: int, block_m: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m, 32, 32, 4, 4, 1)
     # 128 x 256 x 64, 3 stages: 48 KB/stage, 144 KB of the 228 KB shared memory.
     return _cuda_config(min(block_m, 128), n, 256)
+
+
+def fc2_config(hidden: int, block_m: int, device: torch.device) -> GemmConfig:
+    """FC2's tile: the slot GEMM's, or MOEGRAPH_FC2_TILE where it fits (dX keeps its own)."""
+    if device.type == "cuda" and FC2_TILE_OVERRIDE is not None \
+            and FC2_TILE_OVERRIDE.block_m <= block_m:
+        return FC2_TILE_OVERRIDE
+    return slot_gemm_config(hidden, block_m, device)
 
 
 def dact_config(ffn: int, block_m: int, device: torch.device) -> GemmConfig:

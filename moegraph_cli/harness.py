@@ -237,4 +237,4 @@ def device_info() -> dict:
 
 
 KERNEL_KNOBS = ("MOEGRAPH_FUSED", "MOEGRAPH_WGRAD_SHORT", "MOEGRAPH_COMBINE_TILE",
-                "MOEGRAPH_FC1_TILE")
+                "MOEGRAPH_FC1_TILE", "MOEGRAPH_FC2_TILE")

@@ -28,8 +28,8 @@ import torch
 
 from moegraph_kernels.combine import gather_combine
 from moegraph_kernels.gather_gemm import (GemmConfig, dact_config, dact_swiglu, dp_tiles,
-                                          fc1_config, fc1_swiglu, route_block_m, slot_gemm,
-                                          slot_gemm_config)
+                                          fc1_config, fc1_swiglu, fc2_config, route_block_m,
+                                          slot_gemm, slot_gemm_config)
 from moegraph_kernels.route_align import RouteList, build_route_list
 from moegraph_kernels.wgrad import expert_bias_grad, expert_wgrad, wgrad_config
 
@@ -76,14 +76,14 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     (`benchmarks/moe_experts.py --variants`, Qwen3 shape, bitwise equal to the pointer path;
     each falls back to it where TMA or persistence is unavailable): FC1 loads its weight tiles
     through TMA (T=1024: 0.364 -> 0.244 ms; T=8192: 0.891 -> 0.811 ms; at 128-row blocks a K-64
-    tile then took it to 0.795 ms, `benchmarks/fc1_sweep.py`); FC2 at 128-row blocks
+    tile then took it to 0.795 ms, `benchmarks/tile_sweep.py`); FC2 at 128-row blocks
     runs persistent with TMA (0.442 -> 0.380 ms), at 64-row blocks a 64 x 128 x 64 tile
     (0.147 -> 0.127 ms); dX at 64-row blocks persistent with TMA (0.252 -> 0.238 ms)."""
     block = route_block_m(num_routes, num_experts, device)
     cfg = TileConfigs(
         route_block=block,
         fc1=fc1_config(ffn, block, device),
-        fc2=slot_gemm_config(hidden, block, device),
+        fc2=fc2_config(hidden, block, device),
         dact=dact_config(ffn, block, device),
         dx=slot_gemm_config(hidden, block, device),
         wgrad_down=wgrad_config(ffn, device, num_routes / num_experts),

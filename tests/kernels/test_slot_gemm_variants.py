@@ -127,7 +127,7 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
 
 
 def test_fc1_default_tiles_by_slot_block():
-    """The H200's measured choice (benchmarks/fc1_sweep.py): K tile 64 at 128-row blocks."""
+    """The H200's measured choice (benchmarks/tile_sweep.py): K tile 64 at 128-row blocks."""
     cuda = torch.device("cuda")
     assert tuple(gg.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
                                                     False)
@@ -136,7 +136,7 @@ def test_fc1_default_tiles_by_slot_block():
 
 
 def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
-    """MOEGRAPH_FC1_TILE (benchmarks/fc1_sweep.py's winner) replaces the FC1 tile at slot
+    """MOEGRAPH_FC1_TILE (benchmarks/tile_sweep.py's winner) replaces the FC1 tile at slot
     blocks of at least its block_m, keeps the default below, and never touches the CPU."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     default64, default128 = gg.fc1_config(768, 64, cuda), gg.fc1_config(768, 128, cuda)
@@ -147,6 +147,13 @@ def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
     assert gg.fc1_config(768, 128, cpu) == gg.GemmConfig(128, 32, 32, 4, 4, 1)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
     assert chosen.fc1 == tile.with_variant("tma")
+    fc2 = gg.GemmConfig(128, 128, 64, 8, 8, 4)
+    monkeypatch.setattr(gg, "FC2_TILE_OVERRIDE", fc2)
+    chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
+    assert chosen.fc2 == fc2.with_variant("tma+persistent")
+    assert chosen.dx == gg.slot_gemm_config(2048, 128, cuda)  # dX keeps its own tile
+    assert tile_configs(1024 * 8, 128, 2048, 768, cuda).fc2 == gg.GemmConfig(64, 128, 64, 8, 4,
+                                                                             4)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
