@@ -127,12 +127,16 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
 
 
 def test_fc1_default_tiles_by_slot_block():
-    """The H200's measured choice (benchmarks/tile_sweep.py): K tile 64 at 128-row blocks."""
+    """The H200's measured choices (benchmarks/tile_sweep.py) at 128-row blocks: FC1 a K tile
+    of 64, FC2 four stages."""
     cuda = torch.device("cuda")
     assert tuple(gg.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
                                                     False)
     assert tuple(gg.fc1_config(768, 64, cuda))[:6] == (64, 128, 32, 8, 4, 5)
     assert gg.fc1_config(1408, 128, cuda).block_n == 128  # 1408 = 11 x 128
+    assert tuple(gg.fc2_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 4)
+    assert gg.fc2_config(2048, 64, cuda) == gg.slot_gemm_config(2048, 64, cuda)
+    assert tuple(gg.slot_gemm_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 3)  # dX
 
 
 def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
