@@ -774,7 +774,8 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=N
         a_SK if bias_EN is None else topk_weights_N, routes.slot_route,
         0 if bias_EN is None else topk_weights_N.numel(),
         0 if bias_EN is None else bias_EN.stride(0),
-        HAS_BIAS=bias_EN is not None, W_NK=w_nk, ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_BIAS=bias_EN is not None, W_NK=w_nk, ROUTE_BLOCK=routes.block_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k_dim % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0, WARP_SPECIALIZE=plan.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)

@@ -82,3 +82,31 @@ def test_explain_gap_compares_the_prefix_before_the_first_tie():
     none = explain_gap(gap[1:], margin[1:])
     assert none["first_near_tie"] is None and none["first_over_tolerance"] is None
     assert none["max_abs_before_near_tie"] == pytest.approx(4e-6)
+
+
+def test_verify_renders_the_near_tie_line_only_when_there_is_one(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from moegraph_cli import render
+
+    def shown(ref):
+        buf = io.StringIO()
+        monkeypatch.setattr(render, "out", Console(file=buf, width=200))
+        render.verify_result({"profile": "p", "lr": 0.0, "scopes": ["attn"], "eager_losses": [1.0],
+                              "graph_losses": [1.0], "grad_max_abs": 0.0, "grad_worst": "w",
+                              "reference": ref, "passed": True, "verdict": "v"},
+                             as_json=False)
+        return buf.getvalue()
+
+    base = {"impl": "transformers", "max_abs": 0.09, "tolerance": 1e-4, "passed": False,
+            "min_router_margin": 4.3e-06, "near_ties": 3, "first_near_tie": 259,
+            "first_over_tolerance": 333, "max_abs_before_near_tie": 4.2e-05}
+    text = shown(base)
+    assert "max-abs 0.09 (tolerance 0.0001)" in text
+    assert "near-tie (margin 4.3e-06) first at position 259; max-abs before it 4.2e-05" in text
+    assert "first position over tolerance: 333" in text
+    clean = dict(base, max_abs=2e-6, passed=True, first_near_tie=None, near_ties=0,
+                 first_over_tolerance=None, max_abs_before_near_tie=2e-6, min_router_margin=0.3)
+    assert "near-tie" not in shown(clean)

@@ -45,8 +45,9 @@ def test_fp32_and_bf16_against_torch(T, V, H):
     embedding_backward_into(dy, ids, out32, accumulate=False)
     # fp32 sums each row in token order: within the bound of recursive summation (Higham,
     # |error| <= gamma_(n-1) sum|x| per element, gamma_m = m u / (1 - m u), u = 2^-24),
-    # which also forces rows of one token to exact copies and unused rows to exact zeros. (Torch sums in a tree, so its error is smaller on the hot rows; the
-    # sequential order is what makes this kernel deterministic.)
+    # which also forces rows of one token to exact copies and unused rows to exact zeros.
+    # (Torch sums in a tree, so its error is smaller on the hot rows; the sequential order
+    # is what makes this kernel deterministic.)
     count = torch.bincount(ids, minlength=V).double()
     abs_sum = torch.zeros(V, H, dtype=torch.float64, device=DEV).index_add_(0, ids,
                                                                             dy.abs().double())
