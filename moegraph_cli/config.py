@@ -169,7 +169,8 @@ class ModelConfig:
             ("swiglu_limit", c.swiglu_limit is None or c.swiglu_limit > 0,
              f"{prefix}swiglu_limit must be positive or null, got {show(c.swiglu_limit)}"),
         ]
-        yarn = _yarn_problem(c.rope_scaling) if "rope_scaling" in family.features else None
+        yarn = (_yarn_problem(c.rope_scaling, c.rope_theta) if "rope_scaling" in family.features
+                else None)
         checks.append(("rope_scaling", yarn is None, f"{prefix}rope_scaling{yarn}"))
         checks += [(name, ok, f"{prefix}{msg}") for name, ok, msg in
                    [*feature_checks(family, c), *family.checks(c)]]
@@ -483,10 +484,12 @@ def _check_int_sizes(obj, prefix: str) -> None:
                            f"{MAX_INT})")
 
 
-def _yarn_problem(rope: dict | None) -> str | None:
+def _yarn_problem(rope: dict | None, theta: float = 10000.0) -> str | None:
     """What is wrong with the values of a yarn `rope_scaling`, as the end of a message
     (".factor must be ..."); None when nothing is. The keys allowed and rope_type are each
-    family's check; these values reach the rope's arithmetic (math.log, a division)."""
+    family's check; these values reach the rope's arithmetic (math.log of
+    original / (beta * 2 pi) and of factor, divisions by log(rope_theta) and by the mscale
+    terms), so every one that does must keep it finite."""
     if not rope or rope.get("rope_type") != "yarn":
         return None
     for key in ("factor", "original_max_position_embeddings"):
@@ -501,12 +504,21 @@ def _yarn_problem(rope: dict | None) -> str | None:
         value = rope.get(key)
         if value is not None and value <= 0:
             return f".{key} must be positive, got {show(value)}"
+    for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):  # 0 reads as unset
+        value = rope.get(key)
+        if value is not None and value < 0:
+            return f".{key} must be >= 0, got {show(value)}"
     original = rope["original_max_position_embeddings"]
-    if is_int(original) and not 0 < original <= MAX_INT:
-        return (f".original_max_position_embeddings must be in 1..{MAX_INT}, got "
+    if not is_int(original) or not 0 < original <= MAX_INT:
+        return (f".original_max_position_embeddings must be an integer in 1..{MAX_INT}, got "
                 f"{show(original)}")
     if rope.get("truncate") is not None and not isinstance(rope["truncate"], bool):
         return f".truncate must be true or false, got {show(rope['truncate'])}"
+    for key, unset in (("beta_fast", 32), ("beta_slow", 1)):  # a subnormal beta: log(inf)
+        if not math.isfinite(original / ((rope.get(key) or unset) * 2 * math.pi)):
+            return f".{key} {show(rope[key])} is too small"
+    if theta == 1:
+        return " (yarn) needs rope_theta other than 1 (it divides by log(rope_theta)), got 1"
     return None
 
 

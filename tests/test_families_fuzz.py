@@ -204,7 +204,7 @@ CONFIG_CASES = [
     ("gpt-rope-factor-string", "gpt", _rope(factor="x"),
      ["rope_scaling.factor must be a finite number, got 'x'"]),
     ("gpt-rope-original-0", "gpt", _rope(original_max_position_embeddings=0),
-     ["rope_scaling.original_max_position_embeddings must be in 1.."]),
+     ["rope_scaling.original_max_position_embeddings must be an integer in 1.."]),
     ("gpt-rope-beta-string", "gpt", _rope(beta_fast="x"),
      ["rope_scaling.beta_fast must be a finite number, got 'x'"]),
     ("gpt-rope-truncate-string", "gpt", _rope(truncate="no"),
@@ -242,7 +242,23 @@ CONFIG_CASES = [
     ("ds-rope-mscale-string", "ds", _rope(mscale="1"),
      ["rope_scaling.mscale must be a finite number, got '1'"]),
     ("ds-rope-original-negative", "ds", _rope(original_max_position_embeddings=-5),
-     ["rope_scaling.original_max_position_embeddings must be in 1..2147483647, got -5"]),
+     ["rope_scaling.original_max_position_embeddings must be an integer in 1..2147483647, "
+      "got -5"]),
+    # The fuzzer's find (original false is a bool, not an integer: math.log(0) in the rope),
+    # and the other values the yarn arithmetic takes a log of or divides by.
+    ("ds-rope-original-false", "ds", _rope(original_max_position_embeddings=False),
+     ["rope_scaling.original_max_position_embeddings must be an integer in 1..2147483647, "
+      "got False"]),
+    ("ds-rope-original-float", "ds", _rope(original_max_position_embeddings=4096.0),
+     ["original_max_position_embeddings must be an integer"]),
+    ("ds-rope-beta-negative", "ds", _rope(beta_fast=-32),
+     ["rope_scaling.beta_fast must be >= 0, got -32"]),
+    ("ds-rope-mscale-all-dim-negative", "ds", _rope(mscale_all_dim=-1.0),
+     ["rope_scaling.mscale_all_dim must be >= 0, got -1.0"]),
+    ("ds-rope-theta-1", "ds", lambda c: c.update(rope_theta=1.0),
+     ["rope_scaling (yarn) needs rope_theta other than 1"]),
+    ("gpt-rope-beta-slow-negative", "gpt", _rope(beta_slow=-1.0),
+     ["rope_scaling.beta_slow must be >= 0, got -1.0"]),
     ("fp8", "ds", lambda c: c.update(quantization_config={
         "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}),
      ["quantization_config.quant_method 'fp8' is not supported for deepseek_v3 checkpoints"]),
