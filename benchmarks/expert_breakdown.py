@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moe_experts import SHAPES, grouped_mm_moe, make_case, time_fwd_bwd  # noqa: E402
+from moe_experts import (SHAPES, grouped_mm_moe, make_case, time_fwd_bwd,  # noqa: E402
+                         time_graph)
 
 from moegraph_cli.harness import device_info  # noqa: E402
 from moegraph_cli.moe.experts import permute_free_moe_with_drops, tile_configs  # noqa: E402
@@ -45,15 +46,14 @@ def kernel_table(fn) -> dict:
     return dict(sorted(table.items(), key=lambda kv: -kv[1]))
 
 
-def graph_ms(fn, args, dout, reps: int = 50, backward: bool = True,
-             back_to_back: bool = False) -> float:
+def graph_ms(fn, args, dout, reps: int = 50, backward: bool = True) -> float:
     """fwd+bwd (or the forward alone, as training runs it: grad enabled, saving for backward)
     captured in one CUDA graph (autograd.grad into fresh buffers, as a captured backward does):
-    the launch-free cost of the path, route build and combine included. The median of replays
-    each between its own pair of events, or with `back_to_back` the mean of `reps` replays
-    between one pair, the way time_fwd_bwd times eager (on the H200 the graphed forward at
-    T = 8192 read 25-80 us slower than eager by the first method; this tells the method's
-    share from the graph's)."""
+    the launch-free cost of the path, route build and combine included: the median of replays,
+    each between its own pair of events. (main also times the forward graph back to back with
+    moe_experts.time_graph, the way time_fwd_bwd times eager: on the H200 the graphed forward
+    at T = 8192 read 25-80 us slower than eager per replay, and that tells the timing method's
+    share from the graph's.)"""
     leaves = [args[0], args[2], args[3], args[4]]
 
     def body():
@@ -70,17 +70,6 @@ def graph_ms(fn, args, dout, reps: int = 50, backward: bool = True,
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         body()
-    if back_to_back:
-        g.replay()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        del g
-        return s.elapsed_time(e) / reps
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -141,7 +130,7 @@ def main() -> None:
             try:
                 gms = graph_ms(fn, args_, dout)
                 gfwd = graph_ms(fn, args_, dout, backward=False)
-                gfwd_b2b = graph_ms(fn, args_, dout, backward=False, back_to_back=True)
+                gfwd_b2b = time_graph(lambda: fn(*args_), 50)
             except Exception as e:  # noqa: BLE001 - e.g. an op that cannot be captured
                 gms = gfwd = gfwd_b2b = None
                 print(T, name, "graph capture failed:", str(e)[:200])
