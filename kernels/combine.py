@@ -13,17 +13,17 @@ warps) changes no value: each element's sum runs over j in order whatever the ti
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .env import ints_from_env
+
 
 # A tile chosen by benchmarks/combine_sweep.py, (block_t, block_h, warps): from
 # MOEGRAPH_COMBINE_TILE="block_t,block_h,warps", read once here, not on every call.
-_TILE_ENV = os.environ.get("MOEGRAPH_COMBINE_TILE")
-TILE_OVERRIDE = tuple(int(v) for v in _TILE_ENV.split(",")) if _TILE_ENV else None
+TILE_OVERRIDE = ints_from_env("MOEGRAPH_COMBINE_TILE", "block_t,block_h,warps")
 
 
 @triton.jit

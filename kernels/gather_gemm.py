@@ -51,7 +51,6 @@ The shared gathered K loop (`gathered_k_loop`) serves fc1_swiglu and dact_swiglu
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import NamedTuple
 
@@ -61,6 +60,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import tma
+from .env import ints_from_env
 from .gated_act import gated_backward, gated_forward
 from .route_align import RouteList
 
@@ -150,16 +150,19 @@ def _cuda_config(block_m: int, n: int, block_n: int, block_k: int = 64, stages: 
     return GemmConfig(block_m, block_n, block_k, 8, warps, stages)
 
 
-def _tile_from_env(name: str) -> GemmConfig | None:
-    value = os.environ.get(name)
-    return GemmConfig(*(int(v) for v in value.split(","))) if value else None
+TILE_FIELDS = "bm,bn,bk,group,warps,stages"
+
+
+def tile_from_env(name: str) -> GemmConfig | None:
+    tile = ints_from_env(name, TILE_FIELDS)
+    return None if tile is None else GemmConfig(*tile)
 
 
 # FC1 and FC2 tiles chosen by benchmarks/tile_sweep.py, from MOEGRAPH_FC1_TILE /
-# MOEGRAPH_FC2_TILE = "bm,bn,bk,group,warps,stages", read once here. Each applies where the
-# slot block is at least its block_m; the variant (TMA, persistent) stays the product's.
-FC1_TILE_OVERRIDE = _tile_from_env("MOEGRAPH_FC1_TILE")
-FC2_TILE_OVERRIDE = _tile_from_env("MOEGRAPH_FC2_TILE")
+# MOEGRAPH_FC2_TILE, read once at import. Each applies where the slot block is at least its
+# block_m; the variant (TMA, persistent) stays the product's.
+FC1_TILE_OVERRIDE = tile_from_env("MOEGRAPH_FC1_TILE")
+FC2_TILE_OVERRIDE = tile_from_env("MOEGRAPH_FC2_TILE")
 
 
 def fc1_config(ffn: int, block_m: int, device: torch.device) -> GemmConfig:

@@ -29,20 +29,18 @@ reference is autograd through moe/reference.py's bias terms.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .gather_gemm import GemmConfig, grouped_pid
+from .gather_gemm import GemmConfig, grouped_pid, tile_from_env
 from .route_align import RouteList
 
 
 # MOEGRAPH_WGRAD_SHORT="bm,bn,bk,group,warps,stages" (what benchmarks/wgrad_sweep.py prints),
 # read once here, not on every call.
-_SHORT_ENV = os.environ.get("MOEGRAPH_WGRAD_SHORT")
-SHORT_OVERRIDE = GemmConfig(*(int(v) for v in _SHORT_ENV.split(","))) if _SHORT_ENV else None
+SHORT_OVERRIDE = tile_from_env("MOEGRAPH_WGRAD_SHORT")
 
 
 def wgrad_config(n: int, device: torch.device,

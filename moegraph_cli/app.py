@@ -14,6 +14,7 @@ import sys
 from typing import Annotated, Optional
 
 import typer
+from moegraph_kernels.env import KernelEnvError
 from typer.core import TyperGroup
 
 from . import render
@@ -189,6 +190,11 @@ def command(fn):
                 raise
             _fail(str(e), e.exit_code)
             raise typer.Exit(e.exit_code) from None
+        except KernelEnvError as e:  # a MOEGRAPH_* tile variable, read when a kernel loads
+            if os.environ.get("MOEGRAPH_DEBUG") == "1":
+                raise
+            _fail(str(e), EXIT_USAGE)
+            raise typer.Exit(EXIT_USAGE) from None
         except Exception as e:  # noqa: BLE001 - the CLI promises no raw tracebacks
             if os.environ.get("MOEGRAPH_DEBUG") == "1":
                 raise

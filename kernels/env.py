@@ -1,0 +1,28 @@
+"""Tile overrides from the environment (what the benchmarks' sweeps print), read once when a
+kernel module is imported. No torch here: the CLI imports KernelEnvError to report a bad value
+as a usage error."""
+
+from __future__ import annotations
+
+import os
+
+
+class KernelEnvError(ValueError):
+    """A MOEGRAPH_* kernel variable that does not parse."""
+
+
+def ints_from_env(name: str, fields: str) -> tuple[int, ...] | None:
+    """The comma-separated integers of `name` (None when unset or empty), one per field of
+    `fields` ("bm,bn,bk,group,warps,stages")."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    want = fields.split(",")
+    try:
+        ints = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        ints = ()
+    if len(ints) != len(want) or min(ints) <= 0:
+        raise KernelEnvError(f"{name}={value!r}: expected {len(want)} positive integers "
+                             f"{fields}")
+    return ints
