@@ -23,7 +23,7 @@ from __future__ import annotations
 from ..documents import show
 from ..errors import UsageError
 from .common.keys import dense_mlp_keys, expert_keys, model_keys
-from .registry import Family, one_spelling, require, require_ints
+from .registry import Family, one_spelling, require, require_ints, yarn_check, yarn_scaling
 
 # config.json fields read under ModelConfig's names.
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -38,8 +38,6 @@ REQUIRED = tuple(f for f in FIELDS if f not in ("q_lora_rank", "num_key_value_he
                                                 "initializer_range", "hidden_act",
                                                 "max_position_embeddings")) \
     + ("n_routed_experts",)  # HF spellings; q_lora_rank may be null but must be there
-ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "attention_factor", "truncate")
 
 
 def read_config(d: dict, source: str) -> dict:
@@ -51,15 +49,7 @@ def read_config(d: dict, source: str) -> dict:
                          "q_proj)")
     if d.get("num_key_value_heads") is None:
         d["num_key_value_heads"] = d["num_attention_heads"]  # transformers' rule
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if rope_type != "default":
-        if rope_type != "yarn":
-            raise UsageError(f"{source}: rope type {show(rope_type)} is not supported (only "
-                             "'default' and 'yarn')")
-        scaling = {"rope_type": "yarn", **{k: rope[k] for k in ROPE_KEYS
-                                           if rope.get(k) is not None}}
+    scaling = yarn_scaling(d.get("rope_parameters") or d.get("rope_scaling") or {}, source)
     out = {k: d[k] for k in FIELDS if k in d}
     out.update({ours: d[theirs] for theirs, ours in RENAMED.items()})
     out.update(head_dim=d["qk_rope_head_dim"], rope_scaling=scaling, router_aux_loss_coef=0.0,
@@ -83,10 +73,6 @@ def write_config(cfg) -> dict:
 def checks(cfg) -> list[tuple[str, bool, str]]:
     E, G = cfg.num_experts, cfg.n_group
     per_group = E // G if G > 0 and E % G == 0 else 0
-    rope = cfg.rope_scaling
-    rope_ok = rope is None or (rope.get("rope_type") == "yarn"
-                               and isinstance(rope.get("original_max_position_embeddings"), int)
-                               and set(rope) <= {"rope_type", *ROPE_KEYS})
     return [
         ("num_experts", E > 0, "num_experts must be positive for deepseek_v3"),
         ("kv_lora_rank", cfg.kv_lora_rank > 0, "kv_lora_rank must be positive for deepseek_v3"),
@@ -114,10 +100,7 @@ def checks(cfg) -> list[tuple[str, bool, str]]:
         ("first_k_dense_replace", 0 <= cfg.first_k_dense_replace <= cfg.num_hidden_layers,
          f"first_k_dense_replace must be in 0..num_hidden_layers, got "
          f"{cfg.first_k_dense_replace}"),
-        ("rope_scaling", rope_ok,
-         f"rope_scaling must be null or yarn (rope_type 'yarn', an integer "
-         f"original_max_position_embeddings, and only {', '.join(ROPE_KEYS)}), got "
-         f"{show(rope)}"),
+        yarn_check(cfg.rope_scaling),
         ("router_aux_loss_coef", cfg.router_aux_loss_coef == 0,
          "router_aux_loss_coef must be 0 for deepseek_v3 (transformers' class has no aux "
          "loss; moe.bias_update_rate balances the experts)"),

@@ -28,9 +28,8 @@ common.ffn (MoeScope with router="topk_softmax", expert biases, clamped SwiGLU).
 from __future__ import annotations
 
 from ..documents import show
-from ..errors import UsageError
 from .common.keys import attention_keys, model_keys
-from .registry import Family, one_spelling, require, require_ints
+from .registry import Family, one_spelling, require, require_ints, yarn_check, yarn_scaling
 
 # config.json fields read under ModelConfig's names.
 FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -42,8 +41,6 @@ RENAMED = {"intermediate_size": "moe_intermediate_size", "num_local_experts": "n
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_experts_per_tok", "num_local_experts", "rms_norm_eps",
             "router_aux_loss_coef", "tie_word_embeddings")  # HF spellings
-ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "attention_factor", "truncate")
 # transformers' GptOssConfig defaults (the same in 4.x and 5.x).
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096}
@@ -69,14 +66,7 @@ def read_config(d: dict, source: str) -> dict:
                             for i in range(d["num_hidden_layers"])]
     has_rope = "rope_parameters" in d or "rope_scaling" in d
     rope = (d.get("rope_parameters") or d.get("rope_scaling") or {}) if has_rope else DEFAULT_ROPE
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        raise UsageError(f"{source}: rope type {show(rope_type)} is not supported (only "
-                         "'default' and 'yarn')")
-    scaling = None
-    if rope_type == "yarn":
-        scaling = {"rope_type": "yarn", **{k: rope[k] for k in ROPE_KEYS
-                                           if rope.get(k) is not None}}
+    scaling = yarn_scaling(rope, source)
     out = {k: d[k] for k in FIELDS if k in d}
     out.update({ours: d[theirs] for theirs, ours in RENAMED.items()})
     out.update(rope_scaling=scaling, norm_topk_prob=True, decoder_sparse_step=1,
@@ -102,10 +92,6 @@ def write_config(cfg) -> dict:
 
 
 def checks(cfg) -> list[tuple[str, bool, str]]:
-    rope = cfg.rope_scaling
-    rope_ok = rope is None or (rope.get("rope_type") == "yarn"
-                               and isinstance(rope.get("original_max_position_embeddings"), int)
-                               and set(rope) <= {"rope_type", *ROPE_KEYS})
     return [
         ("num_experts", cfg.num_experts > 0, "num_experts must be positive for gpt_oss"),
         ("layer_types", len(cfg.layer_types) == cfg.num_hidden_layers,
@@ -117,10 +103,7 @@ def checks(cfg) -> list[tuple[str, bool, str]]:
          "layers (transformers' default is 128), got null"),
         ("swiglu_limit", cfg.swiglu_limit is not None and cfg.swiglu_alpha is not None,
          "swiglu_limit and swiglu_alpha must be set for gpt_oss (transformers' 7.0 and 1.702)"),
-        ("rope_scaling", rope_ok,
-         f"rope_scaling must be null or yarn (rope_type 'yarn', an integer "
-         f"original_max_position_embeddings, and only {', '.join(ROPE_KEYS)}), got "
-         f"{show(rope)}"),
+        yarn_check(cfg.rope_scaling),
     ]
 
 

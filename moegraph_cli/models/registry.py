@@ -112,6 +112,35 @@ def require_ints(d: dict, names: tuple[str, ...], source: str) -> None:
             raise UsageError(f"{source}: {name}: expected int, got {show(d[name])}")
 
 
+# The yarn rope's keys (DeepSeek-V3 and GPT-OSS read the same ones).
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "attention_factor", "truncate")
+
+
+def yarn_scaling(rope: dict, source: str) -> dict | None:
+    """A config.json rope (`rope_parameters` or `rope_scaling`) as moegraph's `rope_scaling`:
+    None for the default rope, the yarn keys given for yarn; any other rope type is refused."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise UsageError(f"{source}: rope type {show(rope_type)} is not supported (only "
+                         "'default' and 'yarn')")
+    if rope_type == "default":
+        return None
+    return {"rope_type": "yarn", **{k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}}
+
+
+def yarn_check(rope: dict | None) -> tuple[str, bool, str]:
+    """A family check (see Family.checks): `rope_scaling` is null or yarn with known keys (the
+    values are config.py's _yarn_problem)."""
+    ok = rope is None or (rope.get("rope_type") == "yarn"
+                          and is_int(rope.get("original_max_position_embeddings"))
+                          and set(rope) <= {"rope_type", *YARN_KEYS})
+    return ("rope_scaling", ok,
+            f"rope_scaling must be null or yarn (rope_type 'yarn', an integer "
+            f"original_max_position_embeddings, and only {', '.join(YARN_KEYS)}), got "
+            f"{show(rope)}")
+
+
 def families() -> dict[str, Family]:
     """Every family in this package, by model_type (imported once)."""
     global _FAMILIES
