@@ -42,10 +42,15 @@ tma.py; the default is the pointer path with one program per tile):
   group and two consumer warp groups of 64 rows (num_warps=4 -> 12 warps), and only when the
   loop is not flattened, so flatten is dropped there. The gathered kernels ignore it: the pass
   asserts on their pointer loads.
+- `split_tail` (where the tile is the whole route block): two launches, the second running
+  each expert's last block, when it holds at most block_m / 2 real rows, as a half-height tile
+  (`slot_schedule.py`; about 5.6% of the FC1 / FC2 work at 512 uniform routes per expert).
+  Its tile keeps BN, BK and the K order, so each output element sums the same terms in the
+  same order; the half-height MMA is the only change.
 Every variant computes each output tile with the default's tile shape and K order, so on a GPU
 its results are bitwise equal to the default path's (the cuda tests check it). In the
 interpreter too, except the transposed TMA weight tile of fc1 / fc2, which numpy's matmul sums
-in another order (equal to 1e-6).
+in another order (equal to 1e-6), and the split tail's half-height tiles (likewise).
 The shared gathered K loop (`gathered_k_loop`) serves fc1_swiglu and dact_swiglu.
 """
 
@@ -63,6 +68,8 @@ from . import tma
 from .env import ints_from_env
 from .gated_act import gated_backward, gated_forward
 from .route_align import RouteList
+from .slot_schedule import (live_block_list, persistent_tile, program_tile,
+                            store_zero_gated_rows, store_zero_rows, tail_grid)
 
 # Persistent launches list the live M blocks LIST_CHUNK blocks at a time (LIST_CHUNK_WS when
 # warp-specialized: that list is built without a scan, by a CHUNK x CHUNK comparison).
@@ -90,27 +97,33 @@ class GemmConfig(NamedTuple):
     persistent: bool = False
     flatten: bool = True  # persistent only
     warp_specialize: bool = False  # persistent only
+    # Where block_m is the route block: leave each expert's last block, when it holds at most
+    # block_m / 2 real rows, to a second launch of block_m / 2-row tiles (slot_schedule.py).
+    split_tail: bool = False
 
     @property
     def variant(self) -> str:
-        """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat'."""
+        """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat', '+tail'."""
         parts = (["tma"] if self.tma else []) + (["persistent"] if self.persistent else [])
         if self.persistent and self.warp_specialize:
             parts.append("ws")
         if self.persistent and not self.flatten:
             parts.append("noflat")
+        if self.split_tail:
+            parts.append("tail")
         return "+".join(parts) or "base"
 
     def with_variant(self, name: str) -> GemmConfig:
         """This tile under the variant `name` ('base', 'tma', 'tma+persistent+ws', ...: the
         `variant` property's spelling)."""
         parts = set(name.split("+")) - {"base"}
-        unknown = parts - {"tma", "persistent", "ws", "noflat"}
+        unknown = parts - {"tma", "persistent", "ws", "noflat", "tail"}
         if unknown:
             raise ValueError(f"GemmConfig: unknown variant part {sorted(unknown)[0]!r} in "
-                             f"{name!r}; parts are tma, persistent, ws, noflat")
+                             f"{name!r}; parts are tma, persistent, ws, noflat, tail")
         return self._replace(tma="tma" in parts, persistent="persistent" in parts,
-                             warp_specialize="ws" in parts, flatten="noflat" not in parts)
+                             warp_specialize="ws" in parts, flatten="noflat" not in parts,
+                             split_tail="tail" in parts)
 
 
 class Plan(NamedTuple):
@@ -121,6 +134,7 @@ class Plan(NamedTuple):
     warp_specialize: bool
     grid: int
     fallback: str = ""  # why the requested variant was replaced by the pointer path
+    tail: bool = False  # a second launch of half-height tiles ran the experts' last blocks
 
 
 # The plan of the latest launch of each kernel ("fc1", "fc2"/"dx" by w_nk, "dact"), for tests
@@ -205,61 +219,6 @@ def dact_config(ffn: int, block_m: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m, 32, 32, 4, 4, 1)
     # The epilogue reads two Y1 tiles and writes three: keep the tile at 128 x 128.
     return _cuda_config(min(block_m, 128), ffn, 128, stages=4)
-
-
-@triton.jit
-def grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Program id -> (pid_m, pid_n), GROUP_M row blocks at a time so their tiles share L2."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
-
-
-# ---------------------------------------------------------------------------------------------
-# Persistent scheduling: each program lists the live M blocks once, then loops over their tiles.
-
-
-@triton.jit
-def live_block_list(block_expert_ptr, live_list_ptr, num_blocks, BLOCK_M: tl.constexpr,
-                    ROUTE_BLOCK: tl.constexpr, CHUNK: tl.constexpr, SCAN_FREE: tl.constexpr):
-    """Write the live M blocks, in order, to live_list[0, :num_live] and their experts to
-    live_list[1, :num_live] (this program's [2, num_blocks] int32 rows); return num_live.
-
-    The barrier makes the writes visible to all of the program's threads before its tile loop
-    reads them. SCAN_FREE ranks by a [CHUNK, CHUNK] comparison instead of tl.cumsum: Triton's
-    Hopper warp-specialization pass rejects kernels holding a scan.
-    """
-    num_live = tl.zeros((), dtype=tl.int32)
-    for c0 in range(0, num_blocks, CHUNK):
-        idx = c0 + tl.arange(0, CHUNK)
-        be = tl.load(block_expert_ptr + (idx * BLOCK_M) // ROUTE_BLOCK, mask=idx < num_blocks,
-                     other=-1)
-        live = be >= 0
-        if SCAN_FREE:
-            earlier = tl.arange(0, CHUNK)[None, :] <= tl.arange(0, CHUNK)[:, None]
-            rank = tl.sum((earlier & live[None, :]).to(tl.int32), axis=1)
-        else:
-            rank = tl.cumsum(live.to(tl.int32), 0)
-        at = num_live + rank - 1
-        tl.store(live_list_ptr + at, idx, mask=live)
-        tl.store(live_list_ptr + num_blocks + at, be, mask=live)
-        num_live += tl.sum(live.to(tl.int32), 0)
-    tl.debug_barrier()
-    return num_live
-
-
-@triton.jit
-def persistent_tile(tile, live_list_ptr, num_live, num_blocks, num_pid_n, GROUP_M: tl.constexpr):
-    """Live-tile id of a persistent loop -> (pid_m, pid_n, expert); tile ids count live tiles
-    only, grouped as grouped_pid does."""
-    pid_live, pid_n = grouped_pid(tile, num_live, num_pid_n, GROUP_M)
-    pid_m = tl.load(live_list_ptr + pid_live)
-    expert = tl.load(live_list_ptr + num_blocks + pid_live)
-    return pid_m, pid_n, expert
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,20 +334,21 @@ def _fc1_swiglu_tile(
 @triton.jit
 def _fc1_swiglu_kernel(
     x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr, slot_route_ptr, block_expert_ptr,
-    live_list_ptr, y1_ptr, act_ptr, bias_ptr, alpha, limit,
-    num_tokens, num_routes, num_slots, ffn, hidden,
+    live_list_ptr, expert_counts_ptr, expert_starts_ptr, y1_ptr, act_ptr, bias_ptr, alpha,
+    limit, num_tokens, num_routes, num_slots, ffn, hidden,
     stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
     ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
     if PERSISTENT:
         live_list_ptr += tl.program_id(0) * 2 * num_blocks
-        num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, BLOCK_M,
-                                   ROUTE_BLOCK, LIST_CHUNK, False)
+        num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, slot_route_ptr,
+                                   num_routes, BLOCK_M, ROUTE_BLOCK, LIST_CHUNK, False, TAIL == 1)
         num_tiles = num_live * num_pid_n
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                              flatten=FLATTEN):
@@ -401,9 +361,11 @@ def _fc1_swiglu_kernel(
                 stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED)
     else:
-        pid_m, pid_n = grouped_pid(tl.program_id(0), num_blocks, num_pid_n, GROUP_M)
-        expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
-        if expert < 0:
+        pid_m, pid_n, expert, ok = program_tile(
+            tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
+            num_routes, expert_counts_ptr, expert_starts_ptr, num_slots, GROUP_M, BLOCK_M,
+            ROUTE_BLOCK, TAIL)
+        if not ok:
             return
         _fc1_swiglu_tile(
             pid_m, pid_n, expert, x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr,
@@ -411,6 +373,9 @@ def _fc1_swiglu_kernel(
             num_tokens, num_routes, ffn, hidden,
             stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED)
+        if TAIL == 2:
+            store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1, stride_act,
+                                  pid_n, ffn, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,7 +440,7 @@ def _slot_gemm_tile(
 @triton.jit
 def _slot_gemm_kernel(
     a_ptr, a_desc, w_ptr, w_desc, c_ptr, block_expert_ptr, live_list_ptr,
-    num_slots, N, K,
+    expert_counts_ptr, expert_starts_ptr, num_slots, N, K,
     stride_a, stride_we, stride_w, stride_c,
     bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
     W_NK: tl.constexpr, ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -483,13 +448,15 @@ def _slot_gemm_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         live_list_ptr += tl.program_id(0) * 2 * num_blocks
-        num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, BLOCK_M,
-                                   ROUTE_BLOCK, LIST_CHUNK, WARP_SPECIALIZE)
+        num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, slot_route_ptr,
+                                   num_routes, BLOCK_M, ROUTE_BLOCK, LIST_CHUNK,
+                                   WARP_SPECIALIZE, TAIL == 1)
         num_tiles = num_live * num_pid_n
         if WARP_SPECIALIZE:
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
@@ -512,14 +479,20 @@ def _slot_gemm_kernel(
                                 W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA,
                                 HAS_BIAS)
     else:
-        pid_m, pid_n = grouped_pid(tl.program_id(0), num_blocks, num_pid_n, GROUP_M)
-        expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
-        if expert < 0:
+        pid_m, pid_n, expert, ok = program_tile(
+            tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
+            num_routes, expert_counts_ptr, expert_starts_ptr, num_slots, GROUP_M, BLOCK_M,
+            ROUTE_BLOCK, TAIL)
+        if not ok:
             return
         _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr, N, K,
                         stride_a, stride_we, stride_w, stride_c,
                         bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
                         W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS)
+        if TAIL == 2:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            store_zero_rows(c_ptr, (pid_m + 1) * BLOCK_M, stride_c, offs_n, offs_n < N,
+                            BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -577,20 +550,20 @@ def _dact_swiglu_tile(
 @triton.jit
 def _dact_swiglu_kernel(
     dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
-    block_expert_ptr, live_list_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
-    num_tokens, num_routes, num_slots, ffn, hidden,
+    block_expert_ptr, live_list_ptr, expert_counts_ptr, expert_starts_ptr, dy1_ptr, act_ptr,
+    dp_ptr, alpha, limit, num_tokens, num_routes, num_slots, ffn, hidden,
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-    LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr,
+    LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
     if PERSISTENT:
         live_list_ptr += tl.program_id(0) * 2 * num_blocks
-        num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, BLOCK_M,
-                                   ROUTE_BLOCK, LIST_CHUNK, False)
+        num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, slot_route_ptr,
+                                   num_routes, BLOCK_M, ROUTE_BLOCK, LIST_CHUNK, False, TAIL == 1)
         num_tiles = num_live * num_pid_n
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                              flatten=FLATTEN):
@@ -603,9 +576,11 @@ def _dact_swiglu_kernel(
                 stride_y1, stride_dy1, stride_act, stride_dp,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED)
     else:
-        pid_m, pid_n = grouped_pid(tl.program_id(0), num_blocks, num_pid_n, GROUP_M)
-        expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
-        if expert < 0:
+        pid_m, pid_n, expert, ok = program_tile(
+            tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
+            num_routes, expert_counts_ptr, expert_starts_ptr, num_slots, GROUP_M, BLOCK_M,
+            ROUTE_BLOCK, TAIL)
+        if not ok:
             return
         _dact_swiglu_tile(
             pid_m, pid_n, expert, dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr,
@@ -613,6 +588,12 @@ def _dact_swiglu_kernel(
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED)
+        if TAIL == 2:
+            row0 = (pid_m + 1) * BLOCK_M
+            store_zero_gated_rows(dy1_ptr, act_ptr, row0, stride_dy1, stride_act, pid_n, ffn,
+                                  BLOCK_M, BLOCK_N)
+            rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            tl.store(dp_ptr + rows * stride_dp + pid_n, tl.zeros((BLOCK_M,), dtype=tl.float32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,6 +627,36 @@ def _plan(routes: RouteList, cfg: GemmConfig, n: int, device: torch.device, use_
     return (grid,), live_list, meta, plan
 
 
+def splits_tail(routes: RouteList, cfg: GemmConfig) -> bool:
+    """Whether cfg's split tail applies: its tile is the whole route block, of >= 32 rows."""
+    return cfg.split_tail and cfg.block_m == routes.block_m and cfg.block_m >= 32
+
+
+def tail_config(cfg: GemmConfig) -> GemmConfig:
+    """The tile of the TAIL = 2 launch: half the rows, the same N and K tiles (so every
+    output element sums the same K tiles in the same order), one program per tile."""
+    half = cfg.block_m // 2
+    return cfg._replace(block_m=half, num_warps=8 if half * cfg.block_n >= 128 * 128 else 4,
+                        persistent=False, warp_specialize=False, split_tail=False)
+
+
+TAIL_META = dict(PERSISTENT=False, FLATTEN=False, LIST_CHUNK=LIST_CHUNK)
+
+
+def _launch_split(launch, routes: RouteList, cfg: GemmConfig, grid, live_list, meta,
+                  plan: Plan, num_experts: int, n: int) -> Plan:
+    """launch(grid, cfg, live_list, meta, tail) over the blocks -- with TAIL = 1 where cfg
+    splits its tail -- then the TAIL = 2 launch of the short last blocks (the same weight
+    descriptor: the tail tile keeps BN and BK). Returns the Plan of what ran."""
+    split = splits_tail(routes, cfg)
+    launch(grid, cfg, live_list, meta, 1 if split else 0)
+    if split:
+        tcfg = tail_config(cfg)
+        launch(tail_grid(num_experts, n, tcfg.block_n), tcfg, routes.block_expert,
+               dict(TAIL_META, USE_TMA=meta["USE_TMA"]), 2)
+    return plan._replace(tail=split)
+
+
 def _weight_desc(w_E: torch.Tensor, block_shape: tuple[int, int]):
     """Descriptor over w [E, R, C] seen as [E*R, C], or None where TMA cannot read it."""
     rows = tma.expert_rows(w_E)
@@ -657,7 +668,7 @@ def _weight_desc(w_E: torch.Tensor, block_shape: tuple[int, int]):
 def _with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: tuple,
                    launch):
     """launch(cfg), or launch(pointer-path cfg) where cfg's variant failed on this GPU."""
-    base = cfg._replace(tma=False, persistent=False, warp_specialize=False)
+    base = cfg._replace(tma=False, persistent=False, warp_specialize=False, split_tail=False)
     if cfg == base or device.type != "cuda" or not FALLBACK_ON_ERROR:
         return _fitted(name, cfg, shape_key, launch) if device.type == "cuda" else launch(cfg)
     key = (name, cfg, shape_key)
@@ -716,20 +727,25 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
     w_desc = None
     if cfg.tma and tma.tma_available(x_TH.device):
         w_desc = _weight_desc(w_gate_up_EFH, (cfg.block_n, cfg.block_k))
-    grid, live_list, meta, LAST_PLAN["fc1"] = _plan(routes, cfg, ffn, x_TH.device,
-                                                    w_desc is not None)
-    _fc1_swiglu_kernel[grid](
-        x_TH, w_gate_up_EFH, w_gate_up_EFH if w_desc is None else w_desc, topk_weights_N,
-        routes.slot_token, routes.slot_route, routes.block_expert, live_list, y1_out, act_out,
-        x_TH if bias_EF2 is None else bias_EF2, *_act_scalars(clamp),
-        num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
-        x_TH.stride(0), w_gate_up_EFH.stride(0), w_gate_up_EFH.stride(1), y1_out.stride(0),
-        act_out.stride(0), 0 if bias_EF2 is None else bias_EF2.stride(0),
-        ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
-        EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
-        CLAMPED=clamp is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **meta)
+    grid, live_list, meta, plan = _plan(routes, cfg, ffn, x_TH.device, w_desc is not None)
+
+    def launch(grid, cfg, live_list, meta, tail):
+        _fc1_swiglu_kernel[grid](
+            x_TH, w_gate_up_EFH, w_gate_up_EFH if w_desc is None else w_desc, topk_weights_N,
+            routes.slot_token, routes.slot_route, routes.block_expert, live_list,
+            routes.expert_counts, routes.expert_starts, y1_out, act_out,
+            x_TH if bias_EF2 is None else bias_EF2, *_act_scalars(clamp),
+            num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
+            x_TH.stride(0), w_gate_up_EFH.stride(0), w_gate_up_EFH.stride(1), y1_out.stride(0),
+            act_out.stride(0), 0 if bias_EF2 is None else bias_EF2.stride(0),
+            ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
+            EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
+            CLAMPED=clamp is not None, TAIL=tail, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **meta)
+
+    LAST_PLAN["fc1"] = _launch_split(launch, routes, cfg, grid, live_list, meta, plan,
+                                     w_gate_up_EFH.shape[0], ffn)
     return y1_out, act_out
 
 
@@ -768,20 +784,29 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=N
     # The bias epilogue's pointer loads would break warp specialization (TMA loads only).
     grid, live_list, meta, plan = _plan(routes, cfg, n, a_SK.device, use_tma,
                                         ws_ok=use_tma and bias_EN is None)
-    LAST_PLAN["fc2" if w_nk else "dx"] = plan
-    _slot_gemm_kernel[grid](
-        a_SK, a_desc if use_tma else a_SK, w_E, w_desc if use_tma else w_E, out,
-        routes.block_expert, live_list, routes.num_slots, n, k_dim,
-        a_SK.stride(0), w_E.stride(0), w_E.stride(1), out.stride(0),
-        a_SK if bias_EN is None else bias_EN,
-        a_SK if bias_EN is None else topk_weights_N, routes.slot_route,
-        0 if bias_EN is None else topk_weights_N.numel(),
-        0 if bias_EN is None else bias_EN.stride(0),
-        HAS_BIAS=bias_EN is not None, W_NK=w_nk, ROUTE_BLOCK=routes.block_m,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k_dim % cfg.block_k == 0,
-        EVEN_N=n % cfg.block_n == 0, WARP_SPECIALIZE=plan.warp_specialize,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+
+    def launch(grid, cfg, live_list, meta, tail):
+        # The tail tile (TAIL = 2) reads A through a box half as tall; no warp specialization.
+        a_box = a_desc if tail != 2 or not use_tma else \
+            tma.descriptor(a_SK, (cfg.block_m, cfg.block_k))
+        _slot_gemm_kernel[grid](
+            a_SK, a_box if use_tma else a_SK, w_E, w_desc if use_tma else w_E, out,
+            routes.block_expert, live_list, routes.expert_counts, routes.expert_starts,
+            routes.num_slots, n, k_dim,
+            a_SK.stride(0), w_E.stride(0), w_E.stride(1), out.stride(0),
+            a_SK if bias_EN is None else bias_EN,
+            a_SK if bias_EN is None else topk_weights_N, routes.slot_route,
+            routes.token_slots.numel(),  # N: the slot_route sentinel
+            0 if bias_EN is None else bias_EN.stride(0),
+            HAS_BIAS=bias_EN is not None, W_NK=w_nk, ROUTE_BLOCK=routes.block_m,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k_dim % cfg.block_k == 0,
+            EVEN_N=n % cfg.block_n == 0, WARP_SPECIALIZE=plan.warp_specialize and tail != 2,
+            TAIL=tail,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+
+    LAST_PLAN["fc2" if w_nk else "dx"] = _launch_split(launch, routes, cfg, grid, live_list,
+                                                       meta, plan, w_E.shape[0], n)
     return out
 
 
@@ -815,17 +840,22 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
     # Tiles of w_down [E, H, F] past H would contract the next expert's rows: even H only.
     if cfg.tma and tma.tma_available(dout_TH.device) and hidden % cfg.block_k == 0:
         w_desc = _weight_desc(w_down_EHF, (cfg.block_k, cfg.block_n))
-    grid, live_list, meta, LAST_PLAN["dact"] = _plan(routes, cfg, ffn, dout_TH.device,
-                                                     w_desc is not None)
-    _dact_swiglu_kernel[grid](
-        dout_TH, w_down_EHF, w_down_EHF if w_desc is None else w_desc, y1_S2F, topk_weights_N,
-        routes.slot_token, routes.slot_route, routes.block_expert, live_list, dy1_out,
-        act_out, dp_part_out, *_act_scalars(clamp),
-        num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
-        dout_TH.stride(0), w_down_EHF.stride(0), w_down_EHF.stride(1), y1_S2F.stride(0),
-        dy1_out.stride(0), act_out.stride(0), dp_part_out.stride(0),
-        ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
-        EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **meta)
+    grid, live_list, meta, plan = _plan(routes, cfg, ffn, dout_TH.device, w_desc is not None)
+
+    def launch(grid, cfg, live_list, meta, tail):
+        _dact_swiglu_kernel[grid](
+            dout_TH, w_down_EHF, w_down_EHF if w_desc is None else w_desc, y1_S2F,
+            topk_weights_N, routes.slot_token, routes.slot_route, routes.block_expert,
+            live_list, routes.expert_counts, routes.expert_starts, dy1_out, act_out,
+            dp_part_out, *_act_scalars(clamp),
+            num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
+            dout_TH.stride(0), w_down_EHF.stride(0), w_down_EHF.stride(1), y1_S2F.stride(0),
+            dy1_out.stride(0), act_out.stride(0), dp_part_out.stride(0),
+            ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
+            EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+
+    LAST_PLAN["dact"] = _launch_split(launch, routes, cfg, grid, live_list, meta, plan,
+                                      w_down_EHF.shape[0], ffn)
     return dy1_out, act_out, dp_part_out

@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather_gemm import GemmConfig, grouped_pid, tile_from_env
+from .gather_gemm import GemmConfig, tile_from_env
 from .route_align import RouteList
+from .slot_schedule import grouped_pid
 
 
 # MOEGRAPH_WGRAD_SHORT="bm,bn,bk,group,warps,stages" (what benchmarks/wgrad_sweep.py prints),

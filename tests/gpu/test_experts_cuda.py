@@ -42,6 +42,9 @@ CASES = [  # (routing, T, k, E, H, F)
     ("uniform", 64, 5, 5, 96, 80),  # k == E, prime E
     ("uniform", 97, 3, 7, 200, 100),  # sizes not multiples of 16
     ("uniform", 512, 8, 128, 2048, 768),  # Qwen3-30B-A3B experts
+    # 128-row route blocks, where FC1 / FC2 split off the short last blocks (the split tail)
+    ("zipf", 2048, 4, 8, 256, 128),
+    ("uniform", 4096, 8, 128, 2048, 768),
 ]
 
 
@@ -76,8 +79,9 @@ def test_forward_backward_is_sync_free(capacity_factor):
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_cuda_graph_replay_with_new_routing_matches_eager(capacity_factor):
-    T, k, E, H, F = 384, 4, 16, 256, 128
+@pytest.mark.parametrize("T,k,E,H,F", [(384, 4, 16, 256, 128),
+                                       (2048, 4, 8, 256, 128)])  # 128-row blocks: split tail
+def test_cuda_graph_replay_with_new_routing_matches_eager(capacity_factor, T, k, E, H, F):
     x, ids, w, w_gate_up, w_down, dout = _inputs("uniform", T, k, E, H, F)
     bf = torch.bfloat16
     static_x = x.to(bf).requires_grad_()

@@ -99,7 +99,7 @@ def _check_against_default(case, capacity_factor, cfg, route_block=16):
             what = f"{kernel} output {i} ({cfg.variant}, plan {plans[kernel]})"
             assert torch.isfinite(g[live]).all(), f"{what}: a live row is not finite"
             assert torch.isnan(g[~live]).all(), f"{what}: a dead block's row was written"
-            if plans[kernel].tma and kernel in TRANSPOSED_TMA_TILE:
+            if (plans[kernel].tma and kernel in TRANSPOSED_TMA_TILE) or plans[kernel].tail:
                 torch.testing.assert_close(g[live], w[live], rtol=1e-6, atol=1e-6, msg=what)
             else:
                 assert torch.equal(g[live], w[live]), f"{what}: differs from the default"
@@ -119,7 +119,7 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     with pytest.raises(ValueError, match="unknown variant part 'tmaa'"):
         cfg.with_variant("tmaa+persistent")
     # the product's choice (moe/experts.tile_configs), measured on the H200
-    for routes, variants in ((8192 * 8, ("tma", "tma+persistent", "base", "base")),
+    for routes, variants in ((8192 * 8, ("tma+tail", "tma+persistent+tail", "base", "base")),
                              (1024 * 8, ("tma", "base", "base", "tma+persistent"))):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
         assert tuple(c.variant for c in chosen[1:5]) == variants
@@ -131,7 +131,7 @@ def test_fc1_default_tiles_by_slot_block():
     of 64, FC2 four stages."""
     cuda = torch.device("cuda")
     assert tuple(gg.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
-                                                    False)
+                                                    False, False)
     assert tuple(gg.fc1_config(768, 64, cuda))[:6] == (64, 128, 32, 8, 4, 5)
     assert gg.fc1_config(1408, 128, cuda).block_n == 128  # 1408 = 11 x 128
     assert tuple(gg.fc2_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 4)
@@ -150,11 +150,11 @@ def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
     assert gg.fc1_config(768, 64, cuda) == default64
     assert gg.fc1_config(768, 128, cpu) == gg.GemmConfig(128, 32, 32, 4, 4, 1)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
-    assert chosen.fc1 == tile.with_variant("tma")
+    assert chosen.fc1 == tile.with_variant("tma+tail")
     fc2 = gg.GemmConfig(128, 128, 64, 8, 8, 4)
     monkeypatch.setattr(gg, "FC2_TILE_OVERRIDE", fc2)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
-    assert chosen.fc2 == fc2.with_variant("tma+persistent")
+    assert chosen.fc2 == fc2.with_variant("tma+persistent+tail")
     assert chosen.dx == gg.slot_gemm_config(2048, 128, cuda)  # dX keeps its own tile
     assert tile_configs(1024 * 8, 128, 2048, 768, cuda).fc2 == gg.GemmConfig(64, 128, 64, 8, 4,
                                                                              4)
@@ -203,6 +203,85 @@ def test_warp_specialization_is_off_by_default():
                                    route_block=128)
     assert not any(p.warp_specialize for p in plans.values()), plans
     assert plans["fc2"].tma and plans["fc2"].persistent, plans
+
+
+TAIL_VARIANTS = ["tail", "tma+tail", "persistent+tail", "tma+persistent+tail"]
+TAIL_CASES = [  # 32-row route blocks: tails of 1..16 real rows go to the 16-row launch
+    ("uniform", 100, 4, 7, 32, 32),  # 384 routes over 7 experts: a mix of short and long tails
+    ("zipf", 80, 4, 9, 36, 20),  # ragged K and N tiles, empty experts
+    ("one_expert", 40, 1, 5, 64, 64),  # one expert: 40 routes = 32 + a tail of 8
+]
+
+
+def _tail_rows(routes):
+    """Mask of the slots of each expert's last block where that block is at most half real
+    (the rows the tail launch owns), and how many experts have a long (> half) last block."""
+    counts, starts = routes.expert_counts.long(), routes.expert_starts.long()
+    rem = counts % routes.block_m
+    short = (rem > 0) & (rem <= routes.block_m // 2)
+    mask = torch.zeros(routes.num_slots, dtype=torch.bool)
+    for e in torch.nonzero(short).flatten().tolist():
+        row0 = starts[e] + counts[e] - rem[e]
+        mask[row0:row0 + routes.block_m] = True
+    return mask, int((rem > routes.block_m // 2).sum())
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("variant", TAIL_VARIANTS)
+def test_split_tail_matches_the_whole_block_tiles(variant, case, capacity_factor):
+    """Every kernel with the split tail against the default path at the same 32-row route
+    blocks: the same values on every live row (NaN-poisoned outputs: a tail row left unwritten
+    or a dead block's row written shows up), and the tail launch really ran."""
+    routes = _problem(case, capacity_factor, 32)[-1]
+    tail_rows, _ = _tail_rows(routes)
+    assert tail_rows.any(), "the case must hold a short tail"
+    plans = _check_against_default(case, capacity_factor,
+                                   _cfg(32).with_variant(variant), route_block=32)
+    for kernel, plan in plans.items():
+        assert plan.tail and plan.fallback == "", (kernel, plan)
+
+
+def test_split_tail_leaves_the_short_tails_to_the_second_launch(monkeypatch):
+    """With the tail launch cut to one program (expert 0, column tile 0), the short tails of
+    every other expert stay unwritten (NaN) and every other live row is computed: the first
+    launch really skips them, so no row is computed twice."""
+    case = ("uniform", 100, 4, 7, 32, 32)
+    routes = _problem(case, None, 32)[-1]
+    tail_rows, long_tails = _tail_rows(routes)
+    others = tail_rows.clone()
+    others[:int(routes.expert_starts[1])] = False  # expert 0's rows
+    assert others.any() and long_tails > 0
+    monkeypatch.setattr(gg, "tail_grid", lambda *args: (1,))
+    for variant in ("tail", "tma+persistent+tail"):
+        got = _run_kernels(case, None, _cfg(32).with_variant(variant), route_block=32)
+        live = _live_rows(routes)
+        for kernel in KERNELS:
+            for out in got[kernel]:
+                assert torch.isnan(out[others]).all(), (variant, kernel)
+                assert torch.isfinite(out[live & ~tail_rows]).all(), (variant, kernel)
+
+
+def test_split_tail_needs_the_tile_to_be_the_route_block():
+    routes = _problem(("uniform", 100, 4, 7, 32, 32), None, 32)[-1]
+    assert gg.splits_tail(routes, _cfg(32, split_tail=True))
+    assert not gg.splits_tail(routes, _cfg(32))
+    assert not gg.splits_tail(routes, _cfg(16, split_tail=True))  # 16-row tiles in 32 blocks
+    assert not gg.splits_tail(_problem(("uniform", 100, 4, 7, 32, 32), None)[-1],
+                              _cfg(16, split_tail=True))  # halves under 16 rows
+    half = gg.tail_config(gg.GemmConfig(128, 256, 64, 8, 8, 4, tma=True, persistent=True,
+                                        split_tail=True))
+    assert half == gg.GemmConfig(64, 256, 64, 8, 8, 4, tma=True)
+    assert gg.tail_config(gg.GemmConfig(128, 128, 64, 4, 8, 4, split_tail=True)).num_warps == 4
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_split_tail_end_to_end_matches_reference(capacity_factor):
+    case = ("zipf", 96, 4, 7, 32, 32)
+    tail = _cfg(32).with_variant("tma+persistent+tail")
+    _end_to_end_matches_reference(case, capacity_factor, lambda base: base._replace(
+        route_block=32, fc1=tail, fc2=tail, dact=tail, dx=tail))
+    assert all(gg.LAST_PLAN[kernel].tail for kernel in KERNELS)
 
 
 def test_persistent_block_list_spans_several_chunks(monkeypatch):
@@ -263,11 +342,18 @@ def test_tma_checks_reject_what_a_descriptor_cannot_describe():
                                             ("one_expert", 40, 1, 5, 64, 64),
                                             ("uniform", 48, 2, 8, 33, 19)])
 def test_variant_end_to_end_matches_reference(kind, T, k, E, H, F, capacity_factor, variant):
-    x, ids, w, w_gate_up, w_down, dout = moe_inputs(kind, T, k, E, H, F, seed=T + E)
-    base = tile_configs(T * k, E, H, F, torch.device("cpu"))
     fields = VARIANTS[variant]
-    configs = base._replace(fc1=base.fc1._replace(**fields), fc2=base.fc2._replace(**fields),
-                            dact=base.dact._replace(**fields), dx=base.dx._replace(**fields))
+    _end_to_end_matches_reference((kind, T, k, E, H, F), capacity_factor, lambda base: base._replace(
+        fc1=base.fc1._replace(**fields), fc2=base.fc2._replace(**fields),
+        dact=base.dact._replace(**fields), dx=base.dx._replace(**fields)))
+
+
+def _end_to_end_matches_reference(case, capacity_factor, configure):
+    """permute_free_moe under configure(the CPU's tile_configs), poisoned scratch, against
+    reference_moe: output and every gradient."""
+    kind, T, k, E, H, F = case
+    x, ids, w, w_gate_up, w_down, dout = moe_inputs(kind, T, k, E, H, F, seed=T + E)
+    configs = configure(tile_configs(T * k, E, H, F, torch.device("cpu")))
 
     def run(fn):
         leaves = [t.clone().requires_grad_() for t in (x, w, w_gate_up, w_down)]
@@ -293,7 +379,11 @@ GPU_SHAPES = [  # (routing, T, k, E, H, F)
 ]
 GPU_VARIANTS = dict(VARIANTS, **{"tma+persistent+ws": dict(tma=True, persistent=True,
                                                            warp_specialize=True,
-                                                           num_warps=4)})
+                                                           num_warps=4),
+                                 "tail": dict(split_tail=True),
+                                 "tma+tail": dict(tma=True, split_tail=True),
+                                 "tma+persistent+tail": dict(tma=True, persistent=True,
+                                                             split_tail=True)})
 
 
 @functools.lru_cache(maxsize=None)
@@ -365,6 +455,7 @@ def test_cuda_variant_is_bitwise_equal_to_default(variant, case, kernel):
     on_hopper = torch.cuda.get_device_capability()[0] >= 9
     assert plan.tma == (fields.get("tma", False) and on_hopper), plan
     assert plan.persistent == fields.get("persistent", False), plan
+    assert plan.tail == fields.get("split_tail", False), plan
 
 
 @pytest.mark.cuda
