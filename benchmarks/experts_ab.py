@@ -1,0 +1,144 @@
+"""Interleaved A/B timing of the expert forward: the split tail against whole-block tiles.
+
+    python benchmarks/experts_ab.py [--tokens 8192,32768] [--rounds 9] [--out PATH]
+
+Qwen3 shape (E=128, H=2048, F=768, k=8), random routing. For each T and each config
+(`tail`: the product's default; `whole_blocks`: the same with split_tail off in FC1 / FC2),
+one CUDA graph per measured thing, captured once:
+- `forward`: the whole expert forward (route build, FC1 + SwiGLU, FC2, combine);
+- `fc1`, `fc2`: the kernel alone on the RouteList of that routing.
+Then `--rounds` rounds, each timing every (config, thing) as REPLAYS graph replays back to back
+between one pair of CUDA events, the configs' order alternating between rounds, so clock
+ramps and drift fall on both alike (device/METHOD.md: a difference smaller than the spread of
+one version's repeats is noise). Eager forward throughput (REPLAYS calls back to back) is
+timed in the same rounds. Reported: median, min and max ms, and TFLOP/s at the median, with
+useful FLOPs only (2 * T * k * H * 3F for the forward; padding rows not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moe_experts import SHAPES, kernel_flops, make_case  # noqa: E402
+
+from moegraph_cli.harness import device_info  # noqa: E402
+from moegraph_cli.moe.experts import (build_routes, permute_free_moe_with_drops,  # noqa: E402
+                                      tile_configs)
+from moegraph_kernels.gather_gemm import fc1_swiglu, slot_gemm  # noqa: E402
+
+REPLAYS = 30
+
+
+def capture(fn):
+    """fn captured in a CUDA graph after one warm-up call on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_back_to_back(step, reps=REPLAYS) -> float:
+    """ms per call of `reps` calls between one pair of events."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        step()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / reps
+
+
+def configs_for(T, E, H, F_, k, device):
+    tail = tile_configs(T * k, E, H, F_, device)
+    whole = tail._replace(fc1=tail.fc1._replace(split_tail=False),
+                          fc2=tail.fc2._replace(split_tail=False))
+    return {"tail": tail, "whole_blocks": whole}
+
+
+def measure(T, rounds):
+    E, H, F_, k = SHAPES["qwen3"]
+    dev = torch.device("cuda")
+    x, ids, w, wgu, wd, _ = make_case(E, H, F_, k, T)
+    cfgs = configs_for(T, E, H, F_, k, dev)
+    routes = build_routes(ids, w.detach(), E, cfgs["tail"].route_block, None)
+    w_N = w.detach().reshape(-1).contiguous()
+    S = routes.num_slots
+    y1 = torch.empty(S, 2 * F_, device=dev, dtype=x.dtype)
+    act = torch.empty(S, F_, device=dev, dtype=x.dtype)
+    y2 = torch.empty(S, H, device=dev, dtype=x.dtype)
+    xd, wgud, wdd = x.detach(), wgu.detach(), wd.detach()
+    steps = {}
+    for name, c in cfgs.items():
+        fwd = (lambda c=c: permute_free_moe_with_drops(x, ids, w, wgu, wd, None, c))
+        steps[(name, "forward")] = capture(fwd).replay
+        steps[(name, "eager_forward")] = fwd
+        steps[(name, "fc1")] = capture(
+            lambda c=c: fc1_swiglu(xd, wgud, w_N, routes, y1, act, c.fc1)).replay
+        steps[(name, "fc2")] = capture(
+            lambda c=c: slot_gemm(act, wdd, routes, y2, True, c.fc2)).replay
+    for step in steps.values():  # warm every path once more
+        step()
+    torch.cuda.synchronize()
+    samples = {key: [] for key in steps}
+    names = list(cfgs)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            for thing in ("forward", "eager_forward", "fc1", "fc2"):
+                samples[(name, thing)].append(time_back_to_back(steps[(name, thing)]))
+    flops = {"forward": 2 * T * k * H * 3 * F_, "eager_forward": 2 * T * k * H * 3 * F_,
+             "fc1": kernel_flops("fc1", E, H, F_, k, T), "fc2": kernel_flops("fc2", E, H, F_, k, T)}
+    counts = routes.expert_counts.long()
+    rem = counts % routes.block_m
+    padded = int((counts + routes.block_m - 1).div(routes.block_m, rounding_mode="floor").sum()
+                 * routes.block_m)
+    short = (rem > 0) & (rem <= routes.block_m // 2)
+    records = []
+    for (name, thing), ms in samples.items():
+        med = statistics.median(ms)
+        records.append(dict(T=T, config=name, what=thing, median_ms=med, min_ms=min(ms),
+                            max_ms=max(ms), samples_ms=ms, tflops=flops[thing] / med / 1e9,
+                            rounds=rounds, replays=REPLAYS, route_block=routes.block_m,
+                            routes=T * k, padded_slots=padded,
+                            short_tail_experts=int(short.sum()),
+                            short_tail_padding_rows=int((routes.block_m - rem[short]).sum()),
+                            fc1=repr(cfgs[name].fc1), fc2=repr(cfgs[name].fc2),
+                            **device_info()))
+    return records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="8192,32768")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--out", default="/tmp/experts_ab.json")
+    args = ap.parse_args()
+    records = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        records += measure(T, args.rounds)
+        Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
+    print(f"{'T':>6} {'what':14} {'config':13} {'median ms':>10} {'min':>8} {'max':>8} "
+          f"{'TFLOP/s':>8}")
+    for r in records:
+        print(f"{r['T']:6d} {r['what']:14} {r['config']:13} {r['median_ms']:10.4f} "
+              f"{r['min_ms']:8.4f} {r['max_ms']:8.4f} {r['tflops']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
