@@ -3,8 +3,10 @@
     python benchmarks/experts_ab.py [--tokens 8192,32768] [--rounds 9] [--out PATH]
 
 Qwen3 shape (E=128, H=2048, F=768, k=8), random routing. For each T and each config
-(`tail`: the product's default; `whole_blocks`: the same with split_tail off in FC1 / FC2),
-one CUDA graph per measured thing, captured once:
+(`whole_blocks`: split_tail off in FC1 / FC2; `tail`: the product's default; `tail_*`: the
+default with another tile for the tail launch, gather_gemm.tail_config patched while that
+config's graphs are captured and its eager calls run), one CUDA graph per measured thing,
+captured once:
 - `forward`: the whole expert forward (route build, FC1 + SwiGLU, FC2, combine);
 - `fc1`, `fc2`: the kernel alone on the RouteList of that routing.
 Then `--rounds` rounds, each timing every (config, thing) as REPLAYS graph replays back to back
@@ -18,6 +20,7 @@ useful FLOPs only (2 * T * k * H * 3F for the forward; padding rows not counted)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -33,6 +36,7 @@ from moe_experts import SHAPES, kernel_flops, make_case  # noqa: E402
 from moegraph_cli.harness import device_info  # noqa: E402
 from moegraph_cli.moe.experts import (build_routes, permute_free_moe_with_drops,  # noqa: E402
                                       tile_configs)
+from moegraph_kernels import gather_gemm  # noqa: E402
 from moegraph_kernels.gather_gemm import fc1_swiglu, slot_gemm  # noqa: E402
 
 REPLAYS = 30
@@ -65,19 +69,56 @@ def time_back_to_back(step, reps=REPLAYS) -> float:
     return e0.elapsed_time(e1) / reps
 
 
-def configs_for(T, E, H, F_, k, device):
+def _tail_policy(warps=None, stages=None, persistent=None):
+    """A tail_config replacement: the product's, then these fields where given."""
+    def policy(cfg, product=gather_gemm.tail_config):
+        t = product(cfg)
+        return t._replace(num_warps=warps or t.num_warps, num_stages=stages or t.num_stages,
+                          persistent=t.persistent if persistent is None else persistent)
+    return policy
+
+
+TAIL_POLICIES = {  # name: tail_config for the tail launch (None: the product's)
+    "tail": None,
+    "tail_w8": _tail_policy(warps=8),
+    "tail_w8_s2": _tail_policy(warps=8, stages=2),
+    "tail_np_w8_s2": _tail_policy(warps=8, stages=2, persistent=False),
+    "tail_p_w8": _tail_policy(warps=8, persistent=True),
+}
+
+
+@contextlib.contextmanager
+def tail_policy(policy):
+    before = gather_gemm.tail_config
+    gather_gemm.tail_config = policy or before
+    try:
+        yield
+    finally:
+        gather_gemm.tail_config = before
+
+
+def configs_for(T, E, H, F_, k, device, names):
     tail = tile_configs(T * k, E, H, F_, device)
     whole = tail._replace(fc1=tail.fc1._replace(split_tail=False),
                           fc2=tail.fc2._replace(split_tail=False))
-    return {"tail": tail, "whole_blocks": whole}
+    cfgs = {"whole_blocks": (whole, None)}
+    cfgs.update({name: (tail, TAIL_POLICIES[name]) for name in names})
+    return cfgs
 
 
-def measure(T, rounds):
+def _under(policy, fn):
+    def run():
+        with tail_policy(policy):
+            return fn()
+    return run
+
+
+def measure(T, rounds, names):
     E, H, F_, k = SHAPES["qwen3"]
     dev = torch.device("cuda")
     x, ids, w, wgu, wd, _ = make_case(E, H, F_, k, T)
-    cfgs = configs_for(T, E, H, F_, k, dev)
-    routes = build_routes(ids, w.detach(), E, cfgs["tail"].route_block, None)
+    cfgs = configs_for(T, E, H, F_, k, dev, names)
+    routes = build_routes(ids, w.detach(), E, cfgs["whole_blocks"][0].route_block, None)
     w_N = w.detach().reshape(-1).contiguous()
     S = routes.num_slots
     y1 = torch.empty(S, 2 * F_, device=dev, dtype=x.dtype)
@@ -85,14 +126,14 @@ def measure(T, rounds):
     y2 = torch.empty(S, H, device=dev, dtype=x.dtype)
     xd, wgud, wdd = x.detach(), wgu.detach(), wd.detach()
     steps = {}
-    for name, c in cfgs.items():
-        fwd = (lambda c=c: permute_free_moe_with_drops(x, ids, w, wgu, wd, None, c))
+    for name, (c, policy) in cfgs.items():
+        fwd = _under(policy, lambda c=c: permute_free_moe_with_drops(x, ids, w, wgu, wd, None, c))
         steps[(name, "forward")] = capture(fwd).replay
         steps[(name, "eager_forward")] = fwd
-        steps[(name, "fc1")] = capture(
-            lambda c=c: fc1_swiglu(xd, wgud, w_N, routes, y1, act, c.fc1)).replay
-        steps[(name, "fc2")] = capture(
-            lambda c=c: slot_gemm(act, wdd, routes, y2, True, c.fc2)).replay
+        steps[(name, "fc1")] = capture(_under(
+            policy, lambda c=c: fc1_swiglu(xd, wgud, w_N, routes, y1, act, c.fc1))).replay
+        steps[(name, "fc2")] = capture(_under(
+            policy, lambda c=c: slot_gemm(act, wdd, routes, y2, True, c.fc2))).replay
     for step in steps.values():  # warm every path once more
         step()
     torch.cuda.synchronize()
@@ -118,25 +159,42 @@ def measure(T, rounds):
                             routes=T * k, padded_slots=padded,
                             short_tail_experts=int(short.sum()),
                             short_tail_padding_rows=int((routes.block_m - rem[short]).sum()),
-                            fc1=repr(cfgs[name].fc1), fc2=repr(cfgs[name].fc2),
+                            fc1=repr(cfgs[name][0].fc1), fc2=repr(cfgs[name][0].fc2),
+                            fc1_tail=_tail_repr(cfgs[name], "fc1"),
+                            fc2_tail=_tail_repr(cfgs[name], "fc2"),
                             **device_info()))
     return records
+
+
+def _tail_repr(cfg_policy, kernel):
+    cfg, policy = cfg_policy
+    tile = getattr(cfg, kernel)
+    if not tile.split_tail:
+        return None
+    with tail_policy(policy):
+        return repr(gather_gemm.tail_config(tile))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--configs", default=",".join(TAIL_POLICIES),
+                    help=f"tail configs beside whole_blocks, of {', '.join(TAIL_POLICIES)}")
     ap.add_argument("--out", default="/tmp/experts_ab.json")
     args = ap.parse_args()
+    names = args.configs.split(",")
+    unknown = set(names) - set(TAIL_POLICIES)
+    if unknown:
+        ap.error(f"unknown config {sorted(unknown)[0]!r}")
     records = []
     for T in (int(t) for t in args.tokens.split(",")):
-        records += measure(T, args.rounds)
+        records += measure(T, args.rounds, names)
         Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
-    print(f"{'T':>6} {'what':14} {'config':13} {'median ms':>10} {'min':>8} {'max':>8} "
+    print(f"{'T':>6} {'what':14} {'config':14} {'median ms':>10} {'min':>8} {'max':>8} "
           f"{'TFLOP/s':>8}")
-    for r in records:
-        print(f"{r['T']:6d} {r['what']:14} {r['config']:13} {r['median_ms']:10.4f} "
+    for r in sorted(records, key=lambda r: (r["T"], r["what"], r["median_ms"])):
+        print(f"{r['T']:6d} {r['what']:14} {r['config']:14} {r['median_ms']:10.4f} "
               f"{r['min_ms']:8.4f} {r['max_ms']:8.4f} {r['tflops']:8.1f}")
 
 

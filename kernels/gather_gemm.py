@@ -334,8 +334,8 @@ def _fc1_swiglu_tile(
 @triton.jit
 def _fc1_swiglu_kernel(
     x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr, slot_route_ptr, block_expert_ptr,
-    live_list_ptr, expert_counts_ptr, expert_starts_ptr, y1_ptr, act_ptr, bias_ptr, alpha,
-    limit, num_tokens, num_routes, num_slots, ffn, hidden,
+    live_list_ptr, expert_counts_ptr, expert_starts_ptr, num_experts, y1_ptr, act_ptr, bias_ptr,
+    alpha, limit, num_tokens, num_routes, num_slots, ffn, hidden,
     stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
     ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -348,7 +348,8 @@ def _fc1_swiglu_kernel(
     if PERSISTENT:
         live_list_ptr += tl.program_id(0) * 2 * num_blocks
         num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, slot_route_ptr,
-                                   num_routes, BLOCK_M, ROUTE_BLOCK, LIST_CHUNK, False, TAIL == 1)
+                                   num_routes, expert_counts_ptr, expert_starts_ptr, num_experts,
+                                   num_slots, BLOCK_M, ROUTE_BLOCK, LIST_CHUNK, False, TAIL)
         num_tiles = num_live * num_pid_n
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                              flatten=FLATTEN):
@@ -360,6 +361,9 @@ def _fc1_swiglu_kernel(
                 num_tokens, num_routes, ffn, hidden,
                 stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED)
+            if TAIL == 2:
+                store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1,
+                                      stride_act, pid_n, ffn, BLOCK_M, BLOCK_N)
     else:
         pid_m, pid_n, expert, ok = program_tile(
             tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
@@ -440,7 +444,7 @@ def _slot_gemm_tile(
 @triton.jit
 def _slot_gemm_kernel(
     a_ptr, a_desc, w_ptr, w_desc, c_ptr, block_expert_ptr, live_list_ptr,
-    expert_counts_ptr, expert_starts_ptr, num_slots, N, K,
+    expert_counts_ptr, expert_starts_ptr, num_experts, num_slots, N, K,
     stride_a, stride_we, stride_w, stride_c,
     bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
     W_NK: tl.constexpr, ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -455,8 +459,9 @@ def _slot_gemm_kernel(
     if PERSISTENT:
         live_list_ptr += tl.program_id(0) * 2 * num_blocks
         num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, slot_route_ptr,
-                                   num_routes, BLOCK_M, ROUTE_BLOCK, LIST_CHUNK,
-                                   WARP_SPECIALIZE, TAIL == 1)
+                                   num_routes, expert_counts_ptr, expert_starts_ptr, num_experts,
+                                   num_slots, BLOCK_M, ROUTE_BLOCK, LIST_CHUNK, WARP_SPECIALIZE,
+                                   TAIL)
         num_tiles = num_live * num_pid_n
         if WARP_SPECIALIZE:
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
@@ -478,6 +483,10 @@ def _slot_gemm_kernel(
                                 bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
                                 W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA,
                                 HAS_BIAS)
+                if TAIL == 2:
+                    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                    store_zero_rows(c_ptr, (pid_m + 1) * BLOCK_M, stride_c, offs_n, offs_n < N,
+                                    BLOCK_M, BLOCK_N)
     else:
         pid_m, pid_n, expert, ok = program_tile(
             tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
@@ -548,10 +557,20 @@ def _dact_swiglu_tile(
 
 
 @triton.jit
+def _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, row0, stride_dy1, stride_act, stride_dp, pid_n,
+                    ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The all-padding second half of a tail block: dY1, A and dp_part's column pid_n."""
+    store_zero_gated_rows(dy1_ptr, act_ptr, row0, stride_dy1, stride_act, pid_n, ffn, BLOCK_M,
+                          BLOCK_N)
+    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    tl.store(dp_ptr + rows * stride_dp + pid_n, tl.zeros((BLOCK_M,), dtype=tl.float32))
+
+
+@triton.jit
 def _dact_swiglu_kernel(
     dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
-    block_expert_ptr, live_list_ptr, expert_counts_ptr, expert_starts_ptr, dy1_ptr, act_ptr,
-    dp_ptr, alpha, limit, num_tokens, num_routes, num_slots, ffn, hidden,
+    block_expert_ptr, live_list_ptr, expert_counts_ptr, expert_starts_ptr, num_experts,
+    dy1_ptr, act_ptr, dp_ptr, alpha, limit, num_tokens, num_routes, num_slots, ffn, hidden,
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -563,7 +582,8 @@ def _dact_swiglu_kernel(
     if PERSISTENT:
         live_list_ptr += tl.program_id(0) * 2 * num_blocks
         num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, slot_route_ptr,
-                                   num_routes, BLOCK_M, ROUTE_BLOCK, LIST_CHUNK, False, TAIL == 1)
+                                   num_routes, expert_counts_ptr, expert_starts_ptr, num_experts,
+                                   num_slots, BLOCK_M, ROUTE_BLOCK, LIST_CHUNK, False, TAIL)
         num_tiles = num_live * num_pid_n
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                              flatten=FLATTEN):
@@ -575,6 +595,9 @@ def _dact_swiglu_kernel(
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED)
+            if TAIL == 2:
+                _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
+                                stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
     else:
         pid_m, pid_n, expert, ok = program_tile(
             tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
@@ -589,11 +612,8 @@ def _dact_swiglu_kernel(
             stride_y1, stride_dy1, stride_act, stride_dp,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED)
         if TAIL == 2:
-            row0 = (pid_m + 1) * BLOCK_M
-            store_zero_gated_rows(dy1_ptr, act_ptr, row0, stride_dy1, stride_act, pid_n, ffn,
-                                  BLOCK_M, BLOCK_N)
-            rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-            tl.store(dp_ptr + rows * stride_dp + pid_n, tl.zeros((BLOCK_M,), dtype=tl.float32))
+            _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
+                            stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,26 +654,28 @@ def splits_tail(routes: RouteList, cfg: GemmConfig) -> bool:
 
 def tail_config(cfg: GemmConfig) -> GemmConfig:
     """The tile of the TAIL = 2 launch: half the rows, the same N and K tiles (so every
-    output element sums the same K tiles in the same order), one program per tile."""
+    output element sums the same K tiles in the same order), persistent where cfg is."""
     half = cfg.block_m // 2
     return cfg._replace(block_m=half, num_warps=8 if half * cfg.block_n >= 128 * 128 else 4,
-                        persistent=False, warp_specialize=False, split_tail=False)
-
-
-TAIL_META = dict(PERSISTENT=False, FLATTEN=False, LIST_CHUNK=LIST_CHUNK)
+                        warp_specialize=False, split_tail=False)
 
 
 def _launch_split(launch, routes: RouteList, cfg: GemmConfig, grid, live_list, meta,
-                  plan: Plan, num_experts: int, n: int) -> Plan:
+                  plan: Plan, num_experts: int, n: int, device: torch.device) -> Plan:
     """launch(grid, cfg, live_list, meta, tail) over the blocks -- with TAIL = 1 where cfg
     splits its tail -- then the TAIL = 2 launch of the short last blocks (the same weight
-    descriptor: the tail tile keeps BN and BK). Returns the Plan of what ran."""
+    descriptor: the tail tile keeps BN and BK): one program per (expert, column tile), or
+    persistent over the listed short tails. Returns the Plan of what ran."""
     split = splits_tail(routes, cfg)
     launch(grid, cfg, live_list, meta, 1 if split else 0)
     if split:
         tcfg = tail_config(cfg)
-        launch(tail_grid(num_experts, n, tcfg.block_n), tcfg, routes.block_expert,
-               dict(TAIL_META, USE_TMA=meta["USE_TMA"]), 2)
+        tgrid, tlist, tmeta, tplan = _plan(routes, tcfg, n, device, meta["USE_TMA"])
+        if tplan.persistent:
+            tgrid = (max(1, min(tgrid[0], num_experts * triton.cdiv(n, tcfg.block_n))),)
+        else:
+            tgrid = tail_grid(num_experts, n, tcfg.block_n)
+        launch(tgrid, tcfg, tlist, tmeta, 2)
     return plan._replace(tail=split)
 
 
@@ -733,7 +755,7 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
         _fc1_swiglu_kernel[grid](
             x_TH, w_gate_up_EFH, w_gate_up_EFH if w_desc is None else w_desc, topk_weights_N,
             routes.slot_token, routes.slot_route, routes.block_expert, live_list,
-            routes.expert_counts, routes.expert_starts, y1_out, act_out,
+            routes.expert_counts, routes.expert_starts, w_gate_up_EFH.shape[0], y1_out, act_out,
             x_TH if bias_EF2 is None else bias_EF2, *_act_scalars(clamp),
             num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
             x_TH.stride(0), w_gate_up_EFH.stride(0), w_gate_up_EFH.stride(1), y1_out.stride(0),
@@ -745,7 +767,7 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
             num_stages=cfg.num_stages, **meta)
 
     LAST_PLAN["fc1"] = _launch_split(launch, routes, cfg, grid, live_list, meta, plan,
-                                     w_gate_up_EFH.shape[0], ffn)
+                                     w_gate_up_EFH.shape[0], ffn, x_TH.device)
     return y1_out, act_out
 
 
@@ -792,7 +814,7 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=N
         _slot_gemm_kernel[grid](
             a_SK, a_box if use_tma else a_SK, w_E, w_desc if use_tma else w_E, out,
             routes.block_expert, live_list, routes.expert_counts, routes.expert_starts,
-            routes.num_slots, n, k_dim,
+            w_E.shape[0], routes.num_slots, n, k_dim,
             a_SK.stride(0), w_E.stride(0), w_E.stride(1), out.stride(0),
             a_SK if bias_EN is None else bias_EN,
             a_SK if bias_EN is None else topk_weights_N, routes.slot_route,
@@ -806,7 +828,7 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=N
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
 
     LAST_PLAN["fc2" if w_nk else "dx"] = _launch_split(launch, routes, cfg, grid, live_list,
-                                                       meta, plan, w_E.shape[0], n)
+                                                       meta, plan, w_E.shape[0], n, a_SK.device)
     return out
 
 
@@ -846,7 +868,8 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
         _dact_swiglu_kernel[grid](
             dout_TH, w_down_EHF, w_down_EHF if w_desc is None else w_desc, y1_S2F,
             topk_weights_N, routes.slot_token, routes.slot_route, routes.block_expert,
-            live_list, routes.expert_counts, routes.expert_starts, dy1_out, act_out,
+            live_list, routes.expert_counts, routes.expert_starts, w_down_EHF.shape[0], dy1_out,
+            act_out,
             dp_part_out, *_act_scalars(clamp),
             num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
             dout_TH.stride(0), w_down_EHF.stride(0), w_down_EHF.stride(1), y1_S2F.stride(0),
@@ -857,5 +880,5 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
 
     LAST_PLAN["dact"] = _launch_split(launch, routes, cfg, grid, live_list, meta, plan,
-                                      w_down_EHF.shape[0], ffn)
+                                      w_down_EHF.shape[0], ffn, dout_TH.device)
     return dy1_out, act_out, dp_part_out

@@ -90,24 +90,36 @@ def store_zero_gated_rows(y_ptr, act_ptr, row0, stride_y, stride_act, pid_n, ffn
 
 @triton.jit
 def live_block_list(block_expert_ptr, live_list_ptr, num_blocks, slot_route_ptr, num_routes,
+                    expert_counts_ptr, expert_starts_ptr, num_experts, num_slots,
                     BLOCK_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                    SCAN_FREE: tl.constexpr, SKIP_TAIL: tl.constexpr):
+                    SCAN_FREE: tl.constexpr, TAIL: tl.constexpr):
     """Write the live M blocks, in order, to live_list[0, :num_live] and their experts to
     live_list[1, :num_live] (this program's [2, num_blocks] int32 rows); return num_live.
-    SKIP_TAIL (TAIL = 1) leaves out the blocks whose second half holds no real slot (the
-    tail launch computes them).
+    TAIL = 1 leaves out the blocks whose second half holds no real slot (the tail launch
+    computes them); TAIL = 2 lists exactly those, one per expert at most, as the BLOCK_M =
+    ROUTE_BLOCK / 2 block of their first half (program_tile's rule, as a list).
 
     The barrier makes the writes visible to all of the program's threads before its tile loop
     reads them. SCAN_FREE ranks by a [CHUNK, CHUNK] comparison instead of tl.cumsum: Triton's
     Hopper warp-specialization pass rejects kernels holding a scan.
     """
     num_live = tl.zeros((), dtype=tl.int32)
-    for c0 in range(0, num_blocks, CHUNK):
+    num_items = num_experts if TAIL == 2 else num_blocks
+    for c0 in range(0, num_items, CHUNK):
         idx = c0 + tl.arange(0, CHUNK)
-        be = tl.load(block_expert_ptr + (idx * BLOCK_M) // ROUTE_BLOCK, mask=idx < num_blocks,
-                     other=-1)
-        live = be >= 0
-        if SKIP_TAIL:
+        if TAIL == 2:  # idx: experts
+            be = idx
+            count = tl.load(expert_counts_ptr + idx, mask=idx < num_experts, other=0)
+            rem = count % ROUTE_BLOCK
+            row0 = tl.load(expert_starts_ptr + idx, mask=idx < num_experts, other=0) \
+                + count - rem
+            live = (rem > 0) & (rem <= BLOCK_M) & (row0 + ROUTE_BLOCK <= num_slots)
+            idx = row0 // BLOCK_M
+        else:  # idx: M blocks
+            be = tl.load(block_expert_ptr + (idx * BLOCK_M) // ROUTE_BLOCK,
+                         mask=idx < num_blocks, other=-1)
+            live = be >= 0
+        if TAIL == 1:
             second = tl.load(slot_route_ptr + idx * BLOCK_M + BLOCK_M // 2, mask=live,
                              other=num_routes)
             live = live & (second < num_routes)
