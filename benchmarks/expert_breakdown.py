@@ -104,12 +104,12 @@ def main() -> None:
                 route_block=bm, fc1=base.fc1._replace(block_m=bm),
                 fc2=base.fc2._replace(block_m=bm), dact=base.dact._replace(block_m=bm),
                 dx=base.dx._replace(block_m=bm))
-        # The split tail (kernels/slot_schedule.py): off (the whole-block tiles it replaced),
-        # and on in the backward's dA / dX too (the default has it in FC1 / FC2 only).
-        variants["whole_blocks"] = base._replace(fc1=base.fc1._replace(split_tail=False),
-                                                 fc2=base.fc2._replace(split_tail=False))
-        variants["tail_bwd"] = base._replace(dact=base.dact._replace(split_tail=True),
-                                             dx=base.dx._replace(split_tail=True))
+        # The split tail (kernels/slot_schedule.py, off by default): in FC1 / FC2, and in all
+        # four slot GEMMs.
+        tail = {kind: getattr(base, kind)._replace(split_tail=True)
+                for kind in ("fc1", "fc2", "dact", "dx")}
+        variants["split_tail"] = base._replace(fc1=tail["fc1"], fc2=tail["fc2"])
+        variants["split_tail_all"] = base._replace(**tail)
         for tag, wcfg in (("wgrad_k64_s2", GemmConfig(128, 128, 64, 8, 8, 2)),
                           ("wgrad_k32_s3", GemmConfig(128, 128, 32, 8, 8, 3)),
                           ("wgrad_64x128_k64_s3", GemmConfig(64, 128, 64, 8, 4, 3))):

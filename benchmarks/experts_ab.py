@@ -1,12 +1,12 @@
-"""Interleaved A/B timing of the expert forward: the split tail against whole-block tiles.
+"""Interleaved A/B timing of the expert forward under several kernel configurations.
 
     python benchmarks/experts_ab.py [--tokens 8192,32768] [--rounds 9] [--out PATH]
 
 Qwen3 shape (E=128, H=2048, F=768, k=8), random routing. For each T and each config
-(`whole_blocks`: split_tail off in FC1 / FC2; `tail`: the product's default; `tail_*`: the
-default with another tile for the tail launch, gather_gemm.tail_config patched while that
-config's graphs are captured and its eager calls run), one CUDA graph per measured thing,
-captured once:
+(`default`: the product's tiles; `pointer_store`: FC1 storing Y1 / A through pointers instead
+of TMA descriptors; `tail`: the split tail on in FC1 / FC2; `tail_*`: that with another tile
+for the tail launch; each config's gather_gemm attributes are patched while its graphs are
+captured and its eager calls run), one CUDA graph per measured thing, captured once:
 - `forward`: the whole expert forward (route build, FC1 + SwiGLU, FC2, combine);
 - `fc1`, `fc2`: the kernel alone on the RouteList of that routing.
 Then `--rounds` rounds, each timing every (config, thing) as REPLAYS graph replays back to back
@@ -78,37 +78,45 @@ def _tail_policy(warps=None, stages=None, persistent=None):
     return policy
 
 
-TAIL_POLICIES = {  # name: tail_config for the tail launch (None: the product's)
-    "tail": None,
-    "tail_w8": _tail_policy(warps=8),
-    "tail_w8_s2": _tail_policy(warps=8, stages=2),
-    "tail_np_w8_s2": _tail_policy(warps=8, stages=2, persistent=False),
-    "tail_p_w8": _tail_policy(warps=8, persistent=True),
+# name: (split tail in FC1 / FC2, gather_gemm attributes patched while the config runs)
+CONFIGS = {
+    "default": (False, {}),
+    "pointer_store": (False, {"FC1_TMA_STORE": False}),
+    "tail": (True, {}),
+    "tail_w8": (True, {"tail_config": _tail_policy(warps=8)}),
+    "tail_w8_s2": (True, {"tail_config": _tail_policy(warps=8, stages=2)}),
+    "tail_np_w8_s2": (True, {"tail_config": _tail_policy(warps=8, stages=2,
+                                                         persistent=False)}),
+    "tail_p_w8": (True, {"tail_config": _tail_policy(warps=8, persistent=True)}),
 }
 
 
 @contextlib.contextmanager
-def tail_policy(policy):
-    before = gather_gemm.tail_config
-    gather_gemm.tail_config = policy or before
+def patched(attrs):
+    before = {name: getattr(gather_gemm, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(gather_gemm, name, value)
     try:
         yield
     finally:
-        gather_gemm.tail_config = before
+        for name, value in before.items():
+            setattr(gather_gemm, name, value)
 
 
 def configs_for(T, E, H, F_, k, device, names):
-    tail = tile_configs(T * k, E, H, F_, device)
-    whole = tail._replace(fc1=tail.fc1._replace(split_tail=False),
-                          fc2=tail.fc2._replace(split_tail=False))
-    cfgs = {"whole_blocks": (whole, None)}
-    cfgs.update({name: (tail, TAIL_POLICIES[name]) for name in names})
+    """name -> (TileConfigs, patched attributes); `default` always comes first."""
+    base = tile_configs(T * k, E, H, F_, device)
+    cfgs = {}
+    for name in ["default"] + [n for n in names if n != "default"]:
+        tail, attrs = CONFIGS[name]
+        cfgs[name] = (base._replace(fc1=base.fc1._replace(split_tail=tail),
+                                    fc2=base.fc2._replace(split_tail=tail)), attrs)
     return cfgs
 
 
-def _under(policy, fn):
+def _under(attrs, fn):
     def run():
-        with tail_policy(policy):
+        with patched(attrs):
             return fn()
     return run
 
@@ -118,7 +126,7 @@ def measure(T, rounds, names):
     dev = torch.device("cuda")
     x, ids, w, wgu, wd, _ = make_case(E, H, F_, k, T)
     cfgs = configs_for(T, E, H, F_, k, dev, names)
-    routes = build_routes(ids, w.detach(), E, cfgs["whole_blocks"][0].route_block, None)
+    routes = build_routes(ids, w.detach(), E, cfgs["default"][0].route_block, None)
     w_N = w.detach().reshape(-1).contiguous()
     S = routes.num_slots
     y1 = torch.empty(S, 2 * F_, device=dev, dtype=x.dtype)
@@ -126,14 +134,14 @@ def measure(T, rounds, names):
     y2 = torch.empty(S, H, device=dev, dtype=x.dtype)
     xd, wgud, wdd = x.detach(), wgu.detach(), wd.detach()
     steps = {}
-    for name, (c, policy) in cfgs.items():
-        fwd = _under(policy, lambda c=c: permute_free_moe_with_drops(x, ids, w, wgu, wd, None, c))
+    for name, (c, attrs) in cfgs.items():
+        fwd = _under(attrs, lambda c=c: permute_free_moe_with_drops(x, ids, w, wgu, wd, None, c))
         steps[(name, "forward")] = capture(fwd).replay
         steps[(name, "eager_forward")] = fwd
         steps[(name, "fc1")] = capture(_under(
-            policy, lambda c=c: fc1_swiglu(xd, wgud, w_N, routes, y1, act, c.fc1))).replay
+            attrs, lambda c=c: fc1_swiglu(xd, wgud, w_N, routes, y1, act, c.fc1))).replay
         steps[(name, "fc2")] = capture(_under(
-            policy, lambda c=c: slot_gemm(act, wdd, routes, y2, True, c.fc2))).replay
+            attrs, lambda c=c: slot_gemm(act, wdd, routes, y2, True, c.fc2))).replay
     for step in steps.values():  # warm every path once more
         step()
     torch.cuda.synchronize()
@@ -160,18 +168,19 @@ def measure(T, rounds, names):
                             short_tail_experts=int(short.sum()),
                             short_tail_padding_rows=int((routes.block_m - rem[short]).sum()),
                             fc1=repr(cfgs[name][0].fc1), fc2=repr(cfgs[name][0].fc2),
+                            patched={a: v for a, v in cfgs[name][1].items() if not callable(v)},
                             fc1_tail=_tail_repr(cfgs[name], "fc1"),
                             fc2_tail=_tail_repr(cfgs[name], "fc2"),
                             **device_info()))
     return records
 
 
-def _tail_repr(cfg_policy, kernel):
-    cfg, policy = cfg_policy
+def _tail_repr(cfg_attrs, kernel):
+    cfg, attrs = cfg_attrs
     tile = getattr(cfg, kernel)
     if not tile.split_tail:
         return None
-    with tail_policy(policy):
+    with patched(attrs):
         return repr(gather_gemm.tail_config(tile))
 
 
@@ -179,12 +188,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--configs", default=",".join(TAIL_POLICIES),
-                    help=f"tail configs beside whole_blocks, of {', '.join(TAIL_POLICIES)}")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"configs beside the default, of {', '.join(CONFIGS)}")
     ap.add_argument("--out", default="/tmp/experts_ab.json")
     args = ap.parse_args()
     names = args.configs.split(",")
-    unknown = set(names) - set(TAIL_POLICIES)
+    unknown = set(names) - set(CONFIGS)
     if unknown:
         ap.error(f"unknown config {sorted(unknown)[0]!r}")
     records = []

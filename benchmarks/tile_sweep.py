@@ -32,7 +32,9 @@ TILES = {
             GemmConfig(128, 128, 32, 8, 8, 6), GemmConfig(128, 128, 32, 8, 8, 4),
             GemmConfig(128, 128, 32, 16, 8, 5), GemmConfig(128, 128, 64, 4, 8, 4),
             GemmConfig(128, 64, 64, 8, 8, 5), GemmConfig(128, 64, 64, 8, 4, 4),
-            GemmConfig(128, 64, 128, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 5)],
+            GemmConfig(128, 64, 128, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 5),
+            # 96 KB of shared memory: two programs per SM, one's epilogue under the other's loop
+            GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 64, 64, 8, 4, 3)],
     "fc2": [GemmConfig(128, 256, 64, 8, 8, 4), GemmConfig(128, 256, 64, 4, 8, 3),
             GemmConfig(128, 256, 64, 16, 8, 3), GemmConfig(128, 256, 32, 8, 8, 5),
             GemmConfig(128, 256, 32, 8, 8, 6), GemmConfig(128, 128, 64, 8, 8, 4),

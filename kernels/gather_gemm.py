@@ -77,6 +77,10 @@ LIST_CHUNK = 1024
 LIST_CHUNK_WS = 128
 
 
+# FC1's TMA variant also writes Y1 and A through TMA store descriptors where F is a multiple of
+# the column tile (benchmarks/experts_ab.py compares both; the pointer stores where False).
+FC1_TMA_STORE = True
+
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
 # compiled but its first launch failed with "operation not supported on global/shared address
 # space" and lost the CUDA context (not recoverable, so no fallback can catch it). A config
@@ -135,6 +139,7 @@ class Plan(NamedTuple):
     grid: int
     fallback: str = ""  # why the requested variant was replaced by the pointer path
     tail: bool = False  # a second launch of half-height tiles ran the experts' last blocks
+    store_tma: bool = False  # FC1 wrote Y1 and A through TMA store descriptors
 
 
 # The plan of the latest launch of each kernel ("fc1", "fc2"/"dx" by w_nk, "dact"), for tests
@@ -284,12 +289,12 @@ def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
 def _fc1_swiglu_tile(
     pid_m, pid_n, expert,
     x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr,
-    bias_ptr, alpha, limit,
+    y1_desc, act_desc, bias_ptr, alpha, limit,
     num_tokens, num_routes, ffn, hidden,
     stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, Y_TMA: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -322,26 +327,31 @@ def _fc1_swiglu_tile(
     route = tl.load(slot_route_ptr + offs_m)
     p = tl.load(weights_ptr + route, mask=route < num_routes, other=0.0).to(tl.float32)
     act = gated_forward(g.to(tl.float32), u.to(tl.float32), p[:, None], alpha, limit, CLAMPED)
-    rows = offs_m.to(tl.int64)[:, None]
-    out_mask = n_ok[None, :]
-    y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
-    tl.store(y1_ptrs, g, mask=out_mask)
-    tl.store(y1_ptrs + ffn, u, mask=out_mask)
-    tl.store(act_ptr + rows * stride_act + offs_n[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=out_mask)
+    if Y_TMA:  # whole column tiles (F % BN == 0): the boxes never cross gate into up
+        y1_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], g)
+        y1_desc.store([pid_m * BLOCK_M, ffn + pid_n * BLOCK_N], u)
+        act_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], act.to(act_ptr.dtype.element_ty))
+    else:
+        rows = offs_m.to(tl.int64)[:, None]
+        out_mask = n_ok[None, :]
+        y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
+        tl.store(y1_ptrs, g, mask=out_mask)
+        tl.store(y1_ptrs + ffn, u, mask=out_mask)
+        tl.store(act_ptr + rows * stride_act + offs_n[None, :],
+                 act.to(act_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _fc1_swiglu_kernel(
     x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr, slot_route_ptr, block_expert_ptr,
-    live_list_ptr, expert_counts_ptr, expert_starts_ptr, num_experts, y1_ptr, act_ptr, bias_ptr,
-    alpha, limit, num_tokens, num_routes, num_slots, ffn, hidden,
+    live_list_ptr, expert_counts_ptr, expert_starts_ptr, num_experts, y1_ptr, act_ptr, y1_desc,
+    act_desc, bias_ptr, alpha, limit, num_tokens, num_routes, num_slots, ffn, hidden,
     stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
     ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-    TAIL: tl.constexpr,
+    TAIL: tl.constexpr, Y_TMA: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -357,10 +367,10 @@ def _fc1_swiglu_kernel(
                                                    num_pid_n, GROUP_M)
             _fc1_swiglu_tile(
                 pid_m, pid_n, expert, x_ptr, w_ptr, w_desc, weights_ptr,
-                slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr, bias_ptr, alpha, limit,
-                num_tokens, num_routes, ffn, hidden,
+                slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr, y1_desc, act_desc, bias_ptr,
+                alpha, limit, num_tokens, num_routes, ffn, hidden,
                 stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA)
             if TAIL == 2:
                 store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1,
                                       stride_act, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -373,10 +383,10 @@ def _fc1_swiglu_kernel(
             return
         _fc1_swiglu_tile(
             pid_m, pid_n, expert, x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr,
-            slot_route_ptr, y1_ptr, act_ptr, bias_ptr, alpha, limit,
+            slot_route_ptr, y1_ptr, act_ptr, y1_desc, act_desc, bias_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden,
             stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA)
         if TAIL == 2:
             store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1, stride_act,
                                   pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -752,10 +762,14 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
     grid, live_list, meta, plan = _plan(routes, cfg, ffn, x_TH.device, w_desc is not None)
 
     def launch(grid, cfg, live_list, meta, tail):
+        box = (cfg.block_m, cfg.block_n)
+        y_tma = _fc1_store_tma(cfg, w_desc is not None, ffn, y1_out, act_out)
         _fc1_swiglu_kernel[grid](
             x_TH, w_gate_up_EFH, w_gate_up_EFH if w_desc is None else w_desc, topk_weights_N,
             routes.slot_token, routes.slot_route, routes.block_expert, live_list,
             routes.expert_counts, routes.expert_starts, w_gate_up_EFH.shape[0], y1_out, act_out,
+            tma.descriptor(y1_out, box) if y_tma else y1_out,
+            tma.descriptor(act_out, box) if y_tma else act_out,
             x_TH if bias_EF2 is None else bias_EF2, *_act_scalars(clamp),
             num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
             x_TH.stride(0), w_gate_up_EFH.stride(0), w_gate_up_EFH.stride(1), y1_out.stride(0),
@@ -763,12 +777,22 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
-            CLAMPED=clamp is not None, TAIL=tail, num_warps=cfg.num_warps,
+            CLAMPED=clamp is not None, TAIL=tail, Y_TMA=y_tma, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **meta)
 
+    plan = plan._replace(store_tma=_fc1_store_tma(cfg, w_desc is not None, ffn, y1_out, act_out))
     LAST_PLAN["fc1"] = _launch_split(launch, routes, cfg, grid, live_list, meta, plan,
                                      w_gate_up_EFH.shape[0], ffn, x_TH.device)
     return y1_out, act_out
+
+
+def _fc1_store_tma(cfg: GemmConfig, weights_tma: bool, ffn: int, y1_out, act_out) -> bool:
+    """Whether FC1 stores Y1 and A through TMA descriptors: with its TMA variant, whole
+    column tiles (F % BN == 0: a gate box never reaches the up columns) and rows a
+    descriptor can describe."""
+    box = (cfg.block_m, cfg.block_n)
+    return (FC1_TMA_STORE and weights_tma and ffn % cfg.block_n == 0
+            and tma.matrix_fits(y1_out, box) and tma.matrix_fits(act_out, box))
 
 
 def _act_scalars(clamp):

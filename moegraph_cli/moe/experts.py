@@ -92,13 +92,13 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     )
     if device.type != "cuda":
         return cfg
-    # 128-row blocks: the split tail runs each expert's last block, when it is at most half
-    # real, as a 64-row tile (kernels/slot_schedule.py), in the forward GEMMs.
-    fc2 = cfg.fc2.with_variant("tma+persistent+tail") if block >= 128 else \
+    # The split tail (kernels/slot_schedule.py) stays off: on the H200 its second launch cost
+    # more than the padding it saves (benchmarks/experts_ab.py, T = 8192: FC1 0.960 vs
+    # 0.934 ms, FC2 0.464 vs 0.436 ms, whatever the tail tile).
+    fc2 = cfg.fc2.with_variant("tma+persistent") if block >= 128 else \
         GemmConfig(64, 128, 64, 8, 4, 4)
     dx = cfg.dx.with_variant("tma+persistent") if block < 128 else cfg.dx
-    fc1 = cfg.fc1.with_variant("tma+tail" if block >= 128 else "tma")
-    return cfg._replace(fc1=fc1, fc2=fc2, dx=dx)
+    return cfg._replace(fc1=cfg.fc1.with_variant("tma"), fc2=fc2, dx=dx)
 
 
 def build_routes(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,

@@ -119,7 +119,7 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     with pytest.raises(ValueError, match="unknown variant part 'tmaa'"):
         cfg.with_variant("tmaa+persistent")
     # the product's choice (moe/experts.tile_configs), measured on the H200
-    for routes, variants in ((8192 * 8, ("tma+tail", "tma+persistent+tail", "base", "base")),
+    for routes, variants in ((8192 * 8, ("tma", "tma+persistent", "base", "base")),
                              (1024 * 8, ("tma", "base", "base", "tma+persistent"))):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
         assert tuple(c.variant for c in chosen[1:5]) == variants
@@ -150,11 +150,11 @@ def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
     assert gg.fc1_config(768, 64, cuda) == default64
     assert gg.fc1_config(768, 128, cpu) == gg.GemmConfig(128, 32, 32, 4, 4, 1)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
-    assert chosen.fc1 == tile.with_variant("tma+tail")
+    assert chosen.fc1 == tile.with_variant("tma")
     fc2 = gg.GemmConfig(128, 128, 64, 8, 8, 4)
     monkeypatch.setattr(gg, "FC2_TILE_OVERRIDE", fc2)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
-    assert chosen.fc2 == fc2.with_variant("tma+persistent+tail")
+    assert chosen.fc2 == fc2.with_variant("tma+persistent")
     assert chosen.dx == gg.slot_gemm_config(2048, 128, cuda)  # dX keeps its own tile
     assert tile_configs(1024 * 8, 128, 2048, 768, cuda).fc2 == gg.GemmConfig(64, 128, 64, 8, 4,
                                                                              4)
@@ -173,6 +173,8 @@ def test_variant_matches_default_path(variant, case, capacity_factor):
         assert plan.fallback == ""
     if wants_tma and H % 4 == 0 and F % 4 == 0:  # 16-byte fp32 rows: TMA must engage
         assert plans["fc1"].tma and plans["fc2"].tma, plans
+        # Y1 / A through TMA stores where F fills whole column tiles (BN = 32 here).
+        assert plans["fc1"].store_tma == (F % 32 == 0), plans
         # w [E, K, N] descriptors only when K (H for dact, 2F for dx) fills whole BK tiles.
         assert plans["dact"].tma == (H % 32 == 0), plans
         assert plans["dx"].tma == (2 * F % 32 == 0), plans
@@ -282,6 +284,12 @@ def test_split_tail_end_to_end_matches_reference(capacity_factor):
     _end_to_end_matches_reference(case, capacity_factor, lambda base: base._replace(
         route_block=32, fc1=tail, fc2=tail, dact=tail, dx=tail))
     assert all(gg.LAST_PLAN[kernel].tail for kernel in KERNELS)
+
+
+def test_fc1_pointer_stores_when_tma_stores_are_off(monkeypatch):
+    monkeypatch.setattr(gg, "FC1_TMA_STORE", False)
+    plans = _check_against_default(("one_expert", 40, 1, 5, 64, 64), None, _cfg(tma=True))
+    assert plans["fc1"].tma and not plans["fc1"].store_tma, plans
 
 
 def test_persistent_block_list_spans_several_chunks(monkeypatch):
