@@ -37,7 +37,7 @@ from moegraph_cli.harness import device_info  # noqa: E402
 from moegraph_cli.moe.experts import (build_routes, permute_free_moe_with_drops,  # noqa: E402
                                       tile_configs)
 from moegraph_kernels import gather_gemm  # noqa: E402
-from moegraph_kernels.gather_gemm import fc1_swiglu, slot_gemm  # noqa: E402
+from moegraph_kernels.gather_gemm import GemmConfig, fc1_swiglu, slot_gemm  # noqa: E402
 
 REPLAYS = 30
 
@@ -78,16 +78,23 @@ def _tail_policy(warps=None, stages=None, persistent=None):
     return policy
 
 
-# name: (split tail in FC1 / FC2, gather_gemm attributes patched while the config runs)
+T96 = GemmConfig(128, 64, 64, 8, 8, 3)  # 96 KB of shared memory: two programs per SM
+T96_G4 = GemmConfig(128, 64, 64, 4, 8, 3)
+# name: (split tail in FC1 / FC2, gather_gemm attributes patched while the config runs,
+#        FC1 tile or None for the default's)
 CONFIGS = {
-    "default": (False, {}),
-    "pointer_store": (False, {"FC1_TMA_STORE": False}),
-    "tail": (True, {}),
-    "tail_w8": (True, {"tail_config": _tail_policy(warps=8)}),
-    "tail_w8_s2": (True, {"tail_config": _tail_policy(warps=8, stages=2)}),
+    "default": (False, {}, None),
+    "pointer_store": (False, {"FC1_TMA_STORE": False}, None),
+    "tma_store": (False, {"FC1_TMA_STORE": True}, None),
+    "fc1_t96": (False, {"FC1_TMA_STORE": False}, T96),
+    "fc1_t96_g4": (False, {"FC1_TMA_STORE": False}, T96_G4),
+    "fc1_t96_tma_store": (False, {"FC1_TMA_STORE": True}, T96),
+    "tail": (True, {}, None),
+    "tail_w8": (True, {"tail_config": _tail_policy(warps=8)}, None),
+    "tail_w8_s2": (True, {"tail_config": _tail_policy(warps=8, stages=2)}, None),
     "tail_np_w8_s2": (True, {"tail_config": _tail_policy(warps=8, stages=2,
-                                                         persistent=False)}),
-    "tail_p_w8": (True, {"tail_config": _tail_policy(warps=8, persistent=True)}),
+                                                         persistent=False)}, None),
+    "tail_p_w8": (True, {"tail_config": _tail_policy(warps=8, persistent=True)}, None),
 }
 
 
@@ -108,8 +115,9 @@ def configs_for(T, E, H, F_, k, device, names):
     base = tile_configs(T * k, E, H, F_, device)
     cfgs = {}
     for name in ["default"] + [n for n in names if n != "default"]:
-        tail, attrs = CONFIGS[name]
-        cfgs[name] = (base._replace(fc1=base.fc1._replace(split_tail=tail),
+        tail, attrs, fc1 = CONFIGS[name]
+        fc1 = base.fc1 if fc1 is None else fc1.with_variant(base.fc1.variant)
+        cfgs[name] = (base._replace(fc1=fc1._replace(split_tail=tail),
                                     fc2=base.fc2._replace(split_tail=tail)), attrs)
     return cfgs
 

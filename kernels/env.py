@@ -11,6 +11,16 @@ class KernelEnvError(ValueError):
     """A MOEGRAPH_* kernel variable that does not parse."""
 
 
+def flag_from_env(name: str, default: bool) -> bool:
+    """`name` as 0 / 1 (default when unset or empty)."""
+    value = os.environ.get(name)
+    if not value:
+        return default
+    if value not in ("0", "1"):
+        raise KernelEnvError(f"{name}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def ints_from_env(name: str, fields: str) -> tuple[int, ...] | None:
     """The comma-separated integers of `name` (None when unset or empty), one per field of
     `fields` ("bm,bn,bk,group,warps,stages")."""

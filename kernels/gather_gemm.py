@@ -65,7 +65,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import tma
-from .env import ints_from_env
+from .env import flag_from_env, ints_from_env
 from .gated_act import gated_backward, gated_forward
 from .route_align import RouteList
 from .slot_schedule import (live_block_list, persistent_tile, program_tile,
@@ -77,9 +77,10 @@ LIST_CHUNK = 1024
 LIST_CHUNK_WS = 128
 
 
-# FC1's TMA variant also writes Y1 and A through TMA store descriptors where F is a multiple of
-# the column tile (benchmarks/experts_ab.py compares both; the pointer stores where False).
-FC1_TMA_STORE = True
+# FC1's TMA variant may also write Y1 and A through TMA store descriptors where F is a
+# multiple of the column tile (MOEGRAPH_FC1_TMA_STORE=1). Off: benchmarks/experts_ab.py on the
+# H200, T = 8192, 128 x (2 x 128) tile: 1.043 ms against 0.888 ms with pointer stores.
+FC1_TMA_STORE = flag_from_env("MOEGRAPH_FC1_TMA_STORE", False)
 
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
 # compiled but its first launch failed with "operation not supported on global/shared address

@@ -5,7 +5,19 @@ import pytest
 import typer
 
 from moegraph_cli.app import command
-from moegraph_kernels.env import KernelEnvError, ints_from_env
+from moegraph_kernels.env import KernelEnvError, flag_from_env, ints_from_env
+
+
+def test_flag_from_env(monkeypatch):
+    monkeypatch.delenv("MOEGRAPH_X_FLAG", raising=False)
+    assert flag_from_env("MOEGRAPH_X_FLAG", True) and not flag_from_env("MOEGRAPH_X_FLAG", False)
+    for value, want in (("1", True), ("0", False), ("", True)):
+        monkeypatch.setenv("MOEGRAPH_X_FLAG", value)
+        assert flag_from_env("MOEGRAPH_X_FLAG", True) is want
+    for bad in ("yes", "2", "true"):
+        monkeypatch.setenv("MOEGRAPH_X_FLAG", bad)
+        with pytest.raises(KernelEnvError, match=r"^MOEGRAPH_X_FLAG='.*': expected 0 or 1$"):
+            flag_from_env("MOEGRAPH_X_FLAG", False)
 
 
 def test_ints_from_env(monkeypatch):
