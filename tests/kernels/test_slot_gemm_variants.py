@@ -173,8 +173,8 @@ def test_variant_matches_default_path(variant, case, capacity_factor):
         assert plan.fallback == ""
     if wants_tma and H % 4 == 0 and F % 4 == 0:  # 16-byte fp32 rows: TMA must engage
         assert plans["fc1"].tma and plans["fc2"].tma, plans
-        # Y1 / A through TMA stores where F fills whole column tiles (BN = 32 here).
-        assert plans["fc1"].store_tma == (F % 32 == 0), plans
+        # Y1 / A through TMA stores only where asked and F fills whole column tiles (BN 32).
+        assert plans["fc1"].store_tma == (gg.FC1_TMA_STORE and F % 32 == 0), plans
         # w [E, K, N] descriptors only when K (H for dact, 2F for dx) fills whole BK tiles.
         assert plans["dact"].tma == (H % 32 == 0), plans
         assert plans["dx"].tma == (2 * F % 32 == 0), plans
@@ -286,10 +286,15 @@ def test_split_tail_end_to_end_matches_reference(capacity_factor):
     assert all(gg.LAST_PLAN[kernel].tail for kernel in KERNELS)
 
 
-def test_fc1_pointer_stores_when_tma_stores_are_off(monkeypatch):
-    monkeypatch.setattr(gg, "FC1_TMA_STORE", False)
-    plans = _check_against_default(("one_expert", 40, 1, 5, 64, 64), None, _cfg(tma=True))
-    assert plans["fc1"].tma and not plans["fc1"].store_tma, plans
+@pytest.mark.parametrize("store_tma", [False, True])
+@pytest.mark.parametrize("case", [("one_expert", 40, 1, 5, 64, 64), ("zipf", 64, 4, 7, 36, 20)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_fc1_tma_stores_match_pointer_stores(store_tma, case, monkeypatch):
+    """MOEGRAPH_FC1_TMA_STORE: Y1 and A through TMA store descriptors where F fills whole
+    column tiles (F = 64 here; F = 20 keeps the pointer stores), equal to the default path."""
+    monkeypatch.setattr(gg, "FC1_TMA_STORE", store_tma)
+    plans = _check_against_default(case, None, _cfg(tma=True))
+    assert plans["fc1"].tma and plans["fc1"].store_tma == (store_tma and case[-1] % 32 == 0)
 
 
 def test_persistent_block_list_spans_several_chunks(monkeypatch):
@@ -464,6 +469,22 @@ def test_cuda_variant_is_bitwise_equal_to_default(variant, case, kernel):
     assert plan.tma == (fields.get("tma", False) and on_hopper), plan
     assert plan.persistent == fields.get("persistent", False), plan
     assert plan.tail == fields.get("split_tail", False), plan
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_fc1_tma_stores_are_bitwise_equal_to_pointer_stores(case, monkeypatch):
+    cfg = _gpu_default_config("fc1", case)._replace(tma=True)
+    monkeypatch.setattr(gg, "FC1_TMA_STORE", False)
+    want = _gpu_kernel("fc1", case, cfg, None)
+    monkeypatch.setattr(gg, "FC1_TMA_STORE", True)
+    got = _gpu_kernel("fc1", case, cfg, None)
+    plan = gg.LAST_PLAN["fc1"]
+    torch.cuda.synchronize()
+    live = _live_rows(_gpu_problem(case)[-1])
+    assert plan.store_tma, plan
+    for g, w in zip(got, want):
+        assert torch.isnan(g[~live]).all() and torch.equal(g[live], w[live]), plan
 
 
 @pytest.mark.cuda
