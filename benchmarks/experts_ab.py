@@ -14,7 +14,10 @@ between one pair of CUDA events, the configs' order alternating between rounds, 
 ramps and drift fall on both alike (device/METHOD.md: a difference smaller than the spread of
 one version's repeats is noise). Eager forward throughput (REPLAYS calls back to back) is
 timed in the same rounds. Reported: median, min and max ms, and TFLOP/s at the median, with
-useful FLOPs only (2 * T * k * H * 3F for the forward; padding rows not counted).
+useful FLOPs only (2 * T * k * H * 3F for the forward; padding rows not counted). The
+`plain_gemm` rows, timed in the same rounds, are torch.mm with the same useful FLOPs: the
+GPU's GEMM rate in the same power and clock state (sustained load lowers the clocks, so these
+figures read lower than isolated launches do).
 """
 
 from __future__ import annotations
@@ -129,6 +132,29 @@ def _under(attrs, fn):
     return run
 
 
+PLAIN = "plain_gemm"
+
+
+def plain_gemm_steps(rows, H, F_, dtype):
+    """The ceiling in the same rounds: plain bf16 GEMMs with FC1's and FC2's useful FLOPs
+    (N = T*k rows, no gather, no padding, no epilogue), as `plain_gemm` fc1 / fc2 / forward."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a1 = torch.randn(rows, H, device=dev, generator=gen).to(dtype)
+    b1 = (torch.randn(H, 2 * F_, device=dev, generator=gen) * 0.02).to(dtype)
+    a2 = torch.randn(rows, F_, device=dev, generator=gen).to(dtype)
+    b2 = (torch.randn(F_, H, device=dev, generator=gen) * 0.02).to(dtype)
+    o1 = torch.empty(rows, 2 * F_, device=dev, dtype=dtype)
+    o2 = torch.empty(rows, H, device=dev, dtype=dtype)
+
+    def both():
+        torch.mm(a1, b1, out=o1)
+        torch.mm(a2, b2, out=o2)
+    return {(PLAIN, "fc1"): capture(lambda: torch.mm(a1, b1, out=o1)).replay,
+            (PLAIN, "fc2"): capture(lambda: torch.mm(a2, b2, out=o2)).replay,
+            (PLAIN, "forward"): capture(both).replay, (PLAIN, "eager_forward"): both}
+
+
 def measure(T, rounds, names):
     E, H, F_, k = SHAPES["qwen3"]
     dev = torch.device("cuda")
@@ -150,11 +176,12 @@ def measure(T, rounds, names):
             attrs, lambda c=c: fc1_swiglu(xd, wgud, w_N, routes, y1, act, c.fc1))).replay
         steps[(name, "fc2")] = capture(_under(
             attrs, lambda c=c: slot_gemm(act, wdd, routes, y2, True, c.fc2))).replay
+    steps.update(plain_gemm_steps(T * k, H, F_, x.dtype))
     for step in steps.values():  # warm every path once more
         step()
     torch.cuda.synchronize()
     samples = {key: [] for key in steps}
-    names = list(cfgs)
+    names = list(cfgs) + [PLAIN]
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             for thing in ("forward", "eager_forward", "fc1", "fc2"):
@@ -175,12 +202,17 @@ def measure(T, rounds, names):
                             routes=T * k, padded_slots=padded,
                             short_tail_experts=int(short.sum()),
                             short_tail_padding_rows=int((routes.block_m - rem[short]).sum()),
-                            fc1=repr(cfgs[name][0].fc1), fc2=repr(cfgs[name][0].fc2),
-                            patched={a: v for a, v in cfgs[name][1].items() if not callable(v)},
-                            fc1_tail=_tail_repr(cfgs[name], "fc1"),
-                            fc2_tail=_tail_repr(cfgs[name], "fc2"),
+                            **_config_fields(cfgs.get(name)),
                             **device_info()))
     return records
+
+
+def _config_fields(cfg_attrs) -> dict:
+    if cfg_attrs is None:  # the plain GEMMs
+        return dict(fc1="torch.mm [N, H] x [H, 2F]", fc2="torch.mm [N, F] x [F, H]")
+    return dict(fc1=repr(cfg_attrs[0].fc1), fc2=repr(cfg_attrs[0].fc2),
+                patched={a: v for a, v in cfg_attrs[1].items() if not callable(v)},
+                fc1_tail=_tail_repr(cfg_attrs, "fc1"), fc2_tail=_tail_repr(cfg_attrs, "fc2"))
 
 
 def _tail_repr(cfg_attrs, kernel):
