@@ -46,7 +46,9 @@ tma.py; the default is the pointer path with one program per tile):
   each expert's last block, when it holds at most block_m / 2 real rows, as a half-height tile
   (`slot_schedule.py`; about 5.6% of the FC1 / FC2 work at 512 uniform routes per expert).
   Its tile keeps BN, BK and the K order, so each output element sums the same terms in the
-  same order; the half-height MMA is the only change.
+  same order; the half-height MMA is the only change (bitwise equal on the H200). Off in the
+  product: on the H200 the second launch cost more than it saved, at every tail tile tried
+  (benchmarks/experts_ab.py; results/NOTES.md, the fifth session of 2026-11-30).
 Every variant computes each output tile with the default's tile shape and K order, so on a GPU
 its results are bitwise equal to the default path's (the cuda tests check it). In the
 interpreter too, except the transposed TMA weight tile of fc1 / fc2, which numpy's matmul sums
