@@ -46,3 +46,18 @@ def test_a_bad_tile_variable_is_a_one_line_usage_error(monkeypatch, capsys):
     assert exc.value.exit_code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "MOEGRAPH_FC1_TILE='128,128': expected 6 positive integers" in err[0]
+
+
+def test_a_bad_store_flag_is_a_one_line_usage_error(monkeypatch, capsys):
+    monkeypatch.delenv("MOEGRAPH_DEBUG", raising=False)
+    monkeypatch.setenv("MOEGRAPH_FC1_TMA_STORE", "yes")
+
+    @command
+    def load():
+        flag_from_env("MOEGRAPH_FC1_TMA_STORE", False)
+
+    with pytest.raises(typer.Exit) as exc:
+        load()
+    assert exc.value.exit_code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "MOEGRAPH_FC1_TMA_STORE='yes': expected 0 or 1" in err[0]
