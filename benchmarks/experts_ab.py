@@ -81,17 +81,25 @@ def _tail_policy(warps=None, stages=None, persistent=None):
     return policy
 
 
-T96 = GemmConfig(128, 64, 64, 8, 8, 3)  # 96 KB of shared memory: two programs per SM
-T96_G4 = GemmConfig(128, 64, 64, 4, 8, 3)
+def _tile(tile):
+    """FC1 replaced by `tile` (6 fields) under the default's variant."""
+    return lambda fc1: GemmConfig(*tile).with_variant(fc1.variant)
+
+
+T96 = _tile((128, 64, 64, 8, 8, 3))  # 96 KB of shared memory: two programs per SM
 # name: (split tail in FC1 / FC2, gather_gemm attributes patched while the config runs,
-#        FC1 tile or None for the default's)
+#        FC1 tile from the default's, or None for the default's)
 CONFIGS = {
     "default": (False, {}, None),
     "pointer_store": (False, {"FC1_TMA_STORE": False}, None),
     "tma_store": (False, {"FC1_TMA_STORE": True}, None),
     "fc1_t96": (False, {"FC1_TMA_STORE": False}, T96),
-    "fc1_t96_g4": (False, {"FC1_TMA_STORE": False}, T96_G4),
+    "fc1_t96_g4": (False, {"FC1_TMA_STORE": False}, _tile((128, 64, 64, 4, 8, 3))),
     "fc1_t96_tma_store": (False, {"FC1_TMA_STORE": True}, T96),
+    "fc1_persistent": (False, {}, lambda fc1: fc1.with_variant("tma+persistent")),
+    "fc1_persistent_noflat": (False, {}, lambda fc1: fc1.with_variant("tma+persistent+noflat")),
+    "fc1_g1": (False, {}, lambda fc1: fc1._replace(group_m=1)),
+    "fc1_g16": (False, {}, lambda fc1: fc1._replace(group_m=16)),
     "tail": (True, {}, None),
     "tail_w8": (True, {"tail_config": _tail_policy(warps=8)}, None),
     "tail_w8_s2": (True, {"tail_config": _tail_policy(warps=8, stages=2)}, None),
@@ -119,7 +127,7 @@ def configs_for(T, E, H, F_, k, device, names):
     cfgs = {}
     for name in ["default"] + [n for n in names if n != "default"]:
         tail, attrs, fc1 = CONFIGS[name]
-        fc1 = base.fc1 if fc1 is None else fc1.with_variant(base.fc1.variant)
+        fc1 = base.fc1 if fc1 is None else fc1(base.fc1)
         cfgs[name] = (base._replace(fc1=fc1._replace(split_tail=tail),
                                     fc2=base.fc2._replace(split_tail=tail)), attrs)
     return cfgs
