@@ -100,6 +100,8 @@ CONFIGS = {
     "fc1_persistent_noflat": (False, {}, lambda fc1: fc1.with_variant("tma+persistent+noflat")),
     "fc1_g1": (False, {}, lambda fc1: fc1._replace(group_m=1)),
     "fc1_g16": (False, {}, lambda fc1: fc1._replace(group_m=16)),
+    # FC1 alone (fc1 rows only): gate / up weight rows interleaved in BN blocks, one dot
+    "fc1_interleaved": (False, {}, None),
     "tail": (True, {}, None),
     "tail_w8": (True, {"tail_config": _tail_policy(warps=8)}, None),
     "tail_w8_s2": (True, {"tail_config": _tail_policy(warps=8, stages=2)}, None),
@@ -177,6 +179,11 @@ def measure(T, rounds, names):
     xd, wgud, wdd = x.detach(), wgu.detach(), wd.detach()
     steps = {}
     for name, (c, attrs) in cfgs.items():
+        if name == "fc1_interleaved":
+            w_il = gather_gemm.interleave_gate_up(wgud, c.fc1.block_n)
+            steps[(name, "fc1")] = capture(lambda c=c: fc1_swiglu(
+                xd, w_il, w_N, routes, y1, act, c.fc1, interleaved=True)).replay
+            continue
         fwd = _under(attrs, lambda c=c: permute_free_moe_with_drops(x, ids, w, wgu, wd, None, c))
         steps[(name, "forward")] = capture(fwd).replay
         steps[(name, "eager_forward")] = fwd
@@ -193,7 +200,8 @@ def measure(T, rounds, names):
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             for thing in ("forward", "eager_forward", "fc1", "fc2"):
-                samples[(name, thing)].append(time_back_to_back(steps[(name, thing)]))
+                if (name, thing) in steps:
+                    samples[(name, thing)].append(time_back_to_back(steps[(name, thing)]))
     flops = {"forward": 2 * T * k * H * 3 * F_, "eager_forward": 2 * T * k * H * 3 * F_,
              "fc1": kernel_flops("fc1", E, H, F_, k, T), "fc2": kernel_flops("fc2", E, H, F_, k, T)}
     counts = routes.expert_counts.long()

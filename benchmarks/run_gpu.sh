@@ -54,7 +54,7 @@ for arg in "$@"; do
     slice_reference_qwen2) cmd="python3 benchmarks/architectures.py --reference-only qwen2-57b-a14b-4layer --out $WORK/slice_reference_qwen2.json" ;;
     combine_sweep) cmd="python3 benchmarks/combine_sweep.py --tokens 8192 --out $WORK/combine_sweep.json" ;;
     experts_forward) cmd="python3 benchmarks/expert_breakdown.py --tokens 8192,32768 --only default,grouped_mm_baseline --out $WORK/experts_forward.json" ;;
-    experts_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192,32768 --rounds 9 --configs fc1_persistent,fc1_persistent_noflat,fc1_g1,fc1_g16 --out $WORK/experts_ab.json" ;;
+    experts_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192,32768 --rounds 9 --configs fc1_interleaved --out $WORK/experts_ab.json" ;;
     tail_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py tests/gpu/test_experts_cuda.py" ;;
     sink_attention) cmd="python3 benchmarks/sink_attention.py --out $WORK/sink_attention.json" ;;
     slice_reference) cmd="python3 benchmarks/architectures.py --reference-only qwen3-30b-a3b-4layer,moonlight-16b-a3b-4layer,qwen1.5-moe-a2.7b-4layer,gpt-oss-20b-4layer,mixtral-8x7b-4layer,qwen2-57b-a14b-4layer --out $WORK/slice_reference.json" ;;

@@ -298,6 +298,7 @@ def _fc1_swiglu_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, Y_TMA: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -310,13 +311,21 @@ def _fc1_swiglu_tile(
     wg_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
                + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
     wu_ptrs = wg_ptrs + ffn * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # TMA: w_gate_up as [E * 2F, H]; gate rows e*2F + n, up rows e*2F + F + n.
-    acc_g, acc_u = gathered_k_loop(
-        acc_g, acc_u, x_ptrs, row_ok, hidden, wg_ptrs, wu_ptrs, BLOCK_K, n_ok,
-        w_desc, expert * 2 * ffn + pid_n * BLOCK_N, 0, ffn,
-        BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=True, B_TMA=USE_TMA, B_NK=True)
+    if INTERLEAVED:  # rows e*2F + 2*BN*j + [0, BN) gate, + [BN, 2BN) up: one [BN2, BK] tile
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        acc, _ = gathered_k_loop(
+            acc, acc, x_ptrs, row_ok, hidden, wg_ptrs, wg_ptrs, BLOCK_K, n_ok,
+            w_desc, expert * 2 * ffn + pid_n * 2 * BLOCK_N, 0, 0,
+            BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=True, B_NK=True)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # TMA: w_gate_up as [E * 2F, H]; gate rows e*2F + n, up rows e*2F + F + n.
+        acc_g, acc_u = gathered_k_loop(
+            acc_g, acc_u, x_ptrs, row_ok, hidden, wg_ptrs, wu_ptrs, BLOCK_K, n_ok,
+            w_desc, expert * 2 * ffn + pid_n * BLOCK_N, 0, ffn,
+            BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=True, B_TMA=USE_TMA, B_NK=True)
 
     if HAS_BIAS:  # b_gate_up[e] in fp32 into the accumulator; padding rows stay zero
         b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + offs_n
@@ -354,7 +363,7 @@ def _fc1_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-    TAIL: tl.constexpr, Y_TMA: tl.constexpr,
+    TAIL: tl.constexpr, Y_TMA: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -373,7 +382,8 @@ def _fc1_swiglu_kernel(
                 slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr, y1_desc, act_desc, bias_ptr,
                 alpha, limit, num_tokens, num_routes, ffn, hidden,
                 stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
+                INTERLEAVED)
             if TAIL == 2:
                 store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1,
                                       stride_act, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -389,7 +399,8 @@ def _fc1_swiglu_kernel(
             slot_route_ptr, y1_ptr, act_ptr, y1_desc, act_desc, bias_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden,
             stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
+            INTERLEAVED)
         if TAIL == 2:
             store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1, stride_act,
                                   pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -742,26 +753,43 @@ def _fitted(name: str, cfg: GemmConfig, shape_key: tuple, launch):
 
 
 def fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes: RouteList, y1_out, act_out,
-               cfg: GemmConfig | None = None, *, bias_EF2=None, clamp=None):
+               cfg: GemmConfig | None = None, *, bias_EF2=None, clamp=None,
+               interleaved: bool = False):
     """Fill y1_out [S, 2F] and act_out [S, F] (live blocks only); see the module docstring.
     `bias_EF2` [E, 2F] ([gate | up] halves, any float dtype) is added in fp32 to the
-    accumulator before Y1 is rounded; `clamp` = (alpha, limit) picks the clamped SwiGLU."""
+    accumulator before Y1 is rounded; `clamp` = (alpha, limit) picks the clamped SwiGLU.
+    `interleaved` (experimental, benchmarks only): w_gate_up_EFH is `interleave_gate_up(w,
+    cfg.block_n)`, so one [2 BN, BK] TMA tile and one dot serve gate and up; needs cfg.tma."""
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
     cfg = cfg or fc1_config(ffn, routes.block_m, x_TH.device)
+    if interleaved and (not cfg.tma or ffn % cfg.block_n or 2 * cfg.block_n > 256):
+        raise ValueError("fc1_swiglu: interleaved weights need the TMA variant, F a multiple "
+                         "of block_n and 2 * block_n <= 256")
     return _with_fallback(
-        "fc1", cfg, x_TH.device, (x_TH.dtype, routes.block_m, hidden, ffn),
+        "fc1", cfg, x_TH.device, (x_TH.dtype, routes.block_m, hidden, ffn, interleaved),
         lambda c: _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, c,
-                              bias_EF2, clamp))
+                              bias_EF2, clamp, interleaved))
+
+
+def interleave_gate_up(w_gate_up_EFH: torch.Tensor, block_n: int) -> torch.Tensor:
+    """[E, 2F, H] as [gate | up] -> the same rows, BN-row blocks of gate and up alternating:
+    rows 2*BN*j + [0, BN) are gate rows BN*j + [0, BN), the next BN the matching up rows."""
+    E, two_f, H = w_gate_up_EFH.shape
+    halves = w_gate_up_EFH.reshape(E, 2, two_f // 2 // block_n, block_n, H)
+    return halves.transpose(1, 2).reshape(E, two_f, H).contiguous()
 
 
 def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cfg,
-                bias_EF2=None, clamp=None):
+                bias_EF2=None, clamp=None, interleaved=False):
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
     w_desc = None
     if cfg.tma and tma.tma_available(x_TH.device):
-        w_desc = _weight_desc(w_gate_up_EFH, (cfg.block_n, cfg.block_k))
+        w_desc = _weight_desc(w_gate_up_EFH, ((2 if interleaved else 1) * cfg.block_n,
+                                              cfg.block_k))
+    if interleaved and w_desc is None:
+        raise ValueError("fc1_swiglu: interleaved weights need a TMA descriptor")
     grid, live_list, meta, plan = _plan(routes, cfg, ffn, x_TH.device, w_desc is not None)
 
     def launch(grid, cfg, live_list, meta, tail):
@@ -780,8 +808,8 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
-            CLAMPED=clamp is not None, TAIL=tail, Y_TMA=y_tma, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **meta)
+            CLAMPED=clamp is not None, TAIL=tail, Y_TMA=y_tma, INTERLEAVED=interleaved,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
 
     plan = plan._replace(store_tma=_fc1_store_tma(cfg, w_desc is not None, ffn, y1_out, act_out))
     LAST_PLAN["fc1"] = _launch_split(launch, routes, cfg, grid, live_list, meta, plan,
