@@ -49,6 +49,11 @@ tma.py; the default is the pointer path with one program per tile):
   same order; the half-height MMA is the only change (bitwise equal on the H200). Off in the
   product: on the H200 the second launch cost more than it saved, at every tail tile tried
   (benchmarks/experts_ab.py; results/NOTES.md, the fifth session of 2026-11-30).
+- `fc1_swiglu(..., interleaved=True)` (experimental, benchmarks only): w_gate_up's gate and up
+  rows alternate in BN-row blocks (`interleave_gate_up`), so one [2 BN, BK] TMA tile and one
+  dot a K step serve both halves and the A tile is read once; the accumulator is split in the
+  epilogue. Bitwise equal to the default on the H200 and 6.6% faster at T = 8192
+  (results/NOTES.md); the product would need the interleaved layout end to end.
 Every variant computes each output tile with the default's tile shape and K order, so on a GPU
 its results are bitwise equal to the default path's (the cuda tests check it). In the
 interpreter too, except the transposed TMA weight tile of fc1 / fc2, which numpy's matmul sums
