@@ -380,9 +380,10 @@ def test_tma_checks_reject_what_a_descriptor_cannot_describe():
                                             ("uniform", 48, 2, 8, 33, 19)])
 def test_variant_end_to_end_matches_reference(kind, T, k, E, H, F, capacity_factor, variant):
     fields = VARIANTS[variant]
-    _end_to_end_matches_reference((kind, T, k, E, H, F), capacity_factor, lambda base: base._replace(
-        fc1=base.fc1._replace(**fields), fc2=base.fc2._replace(**fields),
-        dact=base.dact._replace(**fields), dx=base.dx._replace(**fields)))
+    _end_to_end_matches_reference(
+        (kind, T, k, E, H, F), capacity_factor, lambda base: base._replace(
+            fc1=base.fc1._replace(**fields), fc2=base.fc2._replace(**fields),
+            dact=base.dact._replace(**fields), dx=base.dx._replace(**fields)))
 
 
 def _end_to_end_matches_reference(case, capacity_factor, configure):
