@@ -13,7 +13,6 @@ warps) changes no value: each element's sum runs over j in order whatever the ti
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -884,8 +884,7 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=N
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k_dim % cfg.block_k == 0,
             EVEN_N=n % cfg.block_n == 0, WARP_SPECIALIZE=plan.warp_specialize and tail != 2,
-            TAIL=tail,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+            TAIL=tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
 
     LAST_PLAN["fc2" if w_nk else "dx"] = _launch_split(launch, routes, cfg, grid, live_list,
                                                        meta, plan, w_E.shape[0], n, a_SK.device)
@@ -929,8 +928,7 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
             dout_TH, w_down_EHF, w_down_EHF if w_desc is None else w_desc, y1_S2F,
             topk_weights_N, routes.slot_token, routes.slot_route, routes.block_expert,
             live_list, routes.expert_counts, routes.expert_starts, w_down_EHF.shape[0], dy1_out,
-            act_out,
-            dp_part_out, *_act_scalars(clamp),
+            act_out, dp_part_out, *_act_scalars(clamp),
             num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
             dout_TH.stride(0), w_down_EHF.stride(0), w_down_EHF.stride(1), y1_S2F.stride(0),
             dy1_out.stride(0), act_out.stride(0), dp_part_out.stride(0),

@@ -9,8 +9,8 @@ Three schedules over the RouteList's blocks (see route_align.py for the layout):
   be partly padding. Where that block holds at most BM/2 real rows, a BM-row tile spends half
   its MMA work or more on padding (with uniform routing of 512 routes per expert and BM = 128,
   half the experts: about 5.6% of all the FC1 / FC2 work). A split launch therefore runs
-    TAIL = 1: BM-row tiles over every live block except those (`program_tile`), then
-    TAIL = 2: BM/2-row tiles, one program per (expert, column tile) (`program_tile`): expert e's
+    TAIL = 1: BM-row tiles over every live block except those (`second_half_real`), then
+    TAIL = 2: BM/2-row tiles, one program per (expert, column tile) (`short_tail`): expert e's
               last block when it holds 1..BM/2 real rows; its second half is only padding and
               is written as zeros without a matmul (the padding-rows contract of gather_gemm).
   Every other block keeps its BM-row tile, so no row is computed twice or skipped.
@@ -53,19 +53,36 @@ def program_tile(pid, num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr, n
     if TAIL == 2:
         expert = pid // num_pid_n
         pid_n = pid % num_pid_n
-        count = tl.load(expert_counts_ptr + expert)
-        rem = count % ROUTE_BLOCK
-        row0 = tl.load(expert_starts_ptr + expert) + count - rem
-        ok = (rem > 0) & (rem <= BLOCK_M) & (row0 + ROUTE_BLOCK <= num_slots)
-        pid_m = row0 // BLOCK_M
+        pid_m, ok = short_tail(expert, expert >= 0, expert_counts_ptr, expert_starts_ptr,
+                               num_slots, ROUTE_BLOCK, BLOCK_M)
     else:
         pid_m, pid_n = grouped_pid(pid, num_blocks, num_pid_n, GROUP_M)
         expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_BLOCK)
         ok = expert >= 0
         if TAIL == 1:
-            second = tl.load(slot_route_ptr + pid_m * BLOCK_M + BLOCK_M // 2)
-            ok = ok & (second < num_routes)
+            ok = second_half_real(slot_route_ptr, pid_m, ok, num_routes, BLOCK_M)
     return pid_m, pid_n, expert, ok
+
+
+@triton.jit
+def short_tail(expert, ok, expert_counts_ptr, expert_starts_ptr, num_slots,
+               ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(pid_m, ok) of `expert`'s last block, seen as BLOCK_M = ROUTE_BLOCK / 2 row blocks (its
+    first half), for experts (a scalar or a vector) where `ok`: ok stays True only where that
+    block holds 1..BLOCK_M real rows and lies within the slots (a broken max_kept contract
+    could put it past them)."""
+    count = tl.load(expert_counts_ptr + expert, mask=ok, other=0)
+    rem = count % ROUTE_BLOCK
+    row0 = tl.load(expert_starts_ptr + expert, mask=ok, other=0) + count - rem
+    return row0 // BLOCK_M, ok & (rem > 0) & (rem <= BLOCK_M) & (row0 + ROUTE_BLOCK <= num_slots)
+
+
+@triton.jit
+def second_half_real(slot_route_ptr, pid_m, ok, num_routes, BLOCK_M: tl.constexpr):
+    """ok, and block pid_m's second half holds a real slot (slot_route is the sentinel
+    num_routes on padding); False leaves the block to the tail launch."""
+    second = tl.load(slot_route_ptr + pid_m * BLOCK_M + BLOCK_M // 2, mask=ok, other=num_routes)
+    return ok & (second < num_routes)
 
 
 @triton.jit
@@ -111,20 +128,14 @@ def live_block_list(block_expert_ptr, live_list_ptr, num_blocks, slot_route_ptr,
         idx = c0 + tl.arange(0, CHUNK)
         if TAIL == 2:  # idx: experts
             be = idx
-            count = tl.load(expert_counts_ptr + idx, mask=idx < num_experts, other=0)
-            rem = count % ROUTE_BLOCK
-            row0 = tl.load(expert_starts_ptr + idx, mask=idx < num_experts, other=0) \
-                + count - rem
-            live = (rem > 0) & (rem <= BLOCK_M) & (row0 + ROUTE_BLOCK <= num_slots)
-            idx = row0 // BLOCK_M
+            idx, live = short_tail(idx, idx < num_experts, expert_counts_ptr,
+                                   expert_starts_ptr, num_slots, ROUTE_BLOCK, BLOCK_M)
         else:  # idx: M blocks
             be = tl.load(block_expert_ptr + (idx * BLOCK_M) // ROUTE_BLOCK,
                          mask=idx < num_blocks, other=-1)
             live = be >= 0
         if TAIL == 1:
-            second = tl.load(slot_route_ptr + idx * BLOCK_M + BLOCK_M // 2, mask=live,
-                             other=num_routes)
-            live = live & (second < num_routes)
+            live = second_half_real(slot_route_ptr, idx, live, num_routes, BLOCK_M)
         if SCAN_FREE:
             earlier = tl.arange(0, CHUNK)[None, :] <= tl.arange(0, CHUNK)[:, None]
             rank = tl.sum((earlier & live[None, :]).to(tl.int32), axis=1)

@@ -29,7 +29,6 @@ reference is autograd through moe/reference.py's bias terms.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
