@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moe_experts import SHAPES, kernel_flops, make_case  # noqa: E402
+from moe_experts import (SHAPES, capture_graph, kernel_flops, make_case,  # noqa: E402
+                         time_throughput)
 
 from moegraph_cli.harness import device_info  # noqa: E402
 from moegraph_cli.moe.experts import (build_routes, permute_free_moe_with_drops,  # noqa: E402
@@ -43,33 +44,6 @@ from moegraph_kernels import gather_gemm  # noqa: E402
 from moegraph_kernels.gather_gemm import GemmConfig, fc1_swiglu, slot_gemm  # noqa: E402
 
 REPLAYS = 30
-
-
-def capture(fn):
-    """fn captured in a CUDA graph after one warm-up call on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
-def time_back_to_back(step, reps=REPLAYS) -> float:
-    """ms per call of `reps` calls between one pair of events."""
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        step()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / reps
 
 
 def _tail_policy(warps=None, stages=None, persistent=None):
@@ -160,9 +134,9 @@ def plain_gemm_steps(rows, H, F_, dtype):
     def both():
         torch.mm(a1, b1, out=o1)
         torch.mm(a2, b2, out=o2)
-    return {(PLAIN, "fc1"): capture(lambda: torch.mm(a1, b1, out=o1)).replay,
-            (PLAIN, "fc2"): capture(lambda: torch.mm(a2, b2, out=o2)).replay,
-            (PLAIN, "forward"): capture(both).replay, (PLAIN, "eager_forward"): both}
+    return {(PLAIN, "fc1"): capture_graph(lambda: torch.mm(a1, b1, out=o1)).replay,
+            (PLAIN, "fc2"): capture_graph(lambda: torch.mm(a2, b2, out=o2)).replay,
+            (PLAIN, "forward"): capture_graph(both).replay, (PLAIN, "eager_forward"): both}
 
 
 def measure(T, rounds, names):
@@ -181,15 +155,15 @@ def measure(T, rounds, names):
     for name, (c, attrs) in cfgs.items():
         if name == "fc1_interleaved":
             w_il = gather_gemm.interleave_gate_up(wgud, c.fc1.block_n)
-            steps[(name, "fc1")] = capture(lambda c=c: fc1_swiglu(
+            steps[(name, "fc1")] = capture_graph(lambda c=c: fc1_swiglu(
                 xd, w_il, w_N, routes, y1, act, c.fc1, interleaved=True)).replay
             continue
         fwd = _under(attrs, lambda c=c: permute_free_moe_with_drops(x, ids, w, wgu, wd, None, c))
-        steps[(name, "forward")] = capture(fwd).replay
+        steps[(name, "forward")] = capture_graph(fwd).replay
         steps[(name, "eager_forward")] = fwd
-        steps[(name, "fc1")] = capture(_under(
+        steps[(name, "fc1")] = capture_graph(_under(
             attrs, lambda c=c: fc1_swiglu(xd, wgud, w_N, routes, y1, act, c.fc1))).replay
-        steps[(name, "fc2")] = capture(_under(
+        steps[(name, "fc2")] = capture_graph(_under(
             attrs, lambda c=c: slot_gemm(act, wdd, routes, y2, True, c.fc2))).replay
     steps.update(plain_gemm_steps(T * k, H, F_, x.dtype))
     for step in steps.values():  # warm every path once more
@@ -201,7 +175,8 @@ def measure(T, rounds, names):
         for name in (names if r % 2 == 0 else names[::-1]):
             for thing in ("forward", "eager_forward", "fc1", "fc2"):
                 if (name, thing) in steps:
-                    samples[(name, thing)].append(time_back_to_back(steps[(name, thing)]))
+                    samples[(name, thing)].append(
+                        time_throughput(steps[(name, thing)], REPLAYS, warmup=0))
     flops = {"forward": 2 * T * k * H * 3 * F_, "eager_forward": 2 * T * k * H * 3 * F_,
              "fc1": kernel_flops("fc1", E, H, F_, k, T), "fc2": kernel_flops("fc2", E, H, F_, k, T)}
     counts = routes.expert_counts.long()

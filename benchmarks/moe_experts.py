@@ -340,8 +340,8 @@ def time_events(fn, reps, warmup=2):
     return statistics.median(a.elapsed_time(b) for a, b in pairs)
 
 
-def time_graph(fn, reps):
-    """ms per call when one call is captured in a CUDA graph and replayed back to back."""
+def capture_graph(fn):
+    """fn captured in a CUDA graph after one warm-up call on a side stream, replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -353,6 +353,12 @@ def time_graph(fn, reps):
         fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def time_graph(fn, reps):
+    """ms per call when one call is captured in a CUDA graph and replayed back to back."""
+    graph = capture_graph(fn)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     for _ in range(reps):
