@@ -76,6 +76,8 @@ CONFIGS = {
     "fc1_g16": (False, {}, lambda fc1: fc1._replace(group_m=16)),
     # FC1 alone (fc1 rows only): gate / up weight rows interleaved in BN blocks, one dot
     "fc1_interleaved": (False, {}, None),
+    # FC1 without the paired gate/up box: two [BN, BK] tiles and two dots a K step
+    "fc1_unpaired": (False, {}, lambda fc1: fc1._replace(paired=False)),
     "tail": (True, {}, None),
     "tail_w8": (True, {"tail_config": _tail_policy(warps=8)}, None),
     "tail_w8_s2": (True, {"tail_config": _tail_policy(warps=8, stages=2)}, None),

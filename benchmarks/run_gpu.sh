@@ -10,7 +10,8 @@
 # combine_sweep (the gather-combine tile; its winner is exported to the stages after it),
 # fc1_sweep / fc2_sweep (the FC1 / FC2 tile at 128-row blocks, likewise exported),
 # slice_reference_qwen2, tail_tests (the slot-GEMM variants, the split tail among them, and the expert path),
-# experts_ab (interleaved A/B of the expert forward and FC1 / FC2: split tail vs whole blocks)
+# experts_ab (interleaved A/B of the expert forward and FC1 / FC2: paired FC1 vs unpaired and interleaved),
+# experts_small (T = 1024 fwd+bwd vs the baseline), paired_tests (the paired FC1 and the expert path on the GPU)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=/tmp/mg_work; mkdir -p "$WORK"   # everything lands here; $OUT gets one archive (file limit)
@@ -54,7 +55,9 @@ for arg in "$@"; do
     slice_reference_qwen2) cmd="python3 benchmarks/architectures.py --reference-only qwen2-57b-a14b-4layer --out $WORK/slice_reference_qwen2.json" ;;
     combine_sweep) cmd="python3 benchmarks/combine_sweep.py --tokens 8192 --out $WORK/combine_sweep.json" ;;
     experts_forward) cmd="python3 benchmarks/expert_breakdown.py --tokens 8192,32768 --only default,grouped_mm_baseline --out $WORK/experts_forward.json" ;;
-    experts_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192,32768 --rounds 9 --configs fc1_interleaved --out $WORK/experts_ab.json" ;;
+    experts_ab) cmd="python3 benchmarks/experts_ab.py --tokens 1024,8192,32768 --rounds 9 --configs fc1_unpaired,fc1_interleaved --out $WORK/experts_ab.json" ;;
+    experts_small) cmd="python3 benchmarks/expert_breakdown.py --tokens 1024 --only default,grouped_mm_baseline --out $WORK/experts_small.json" ;;
+    paired_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py tests/gpu/test_experts_cuda.py tests/gpu/test_gpt_oss_experts_cuda.py -k 'paired or interleaved or experts'" ;;
     tail_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py tests/gpu/test_experts_cuda.py" ;;
     sink_attention) cmd="python3 benchmarks/sink_attention.py --out $WORK/sink_attention.json" ;;
     slice_reference) cmd="python3 benchmarks/architectures.py --reference-only qwen3-30b-a3b-4layer,moonlight-16b-a3b-4layer,qwen1.5-moe-a2.7b-4layer,gpt-oss-20b-4layer,mixtral-8x7b-4layer,qwen2-57b-a14b-4layer --out $WORK/slice_reference.json" ;;

@@ -89,6 +89,11 @@ LIST_CHUNK_WS = 128
 # H200, T = 8192, 128 x (2 x 128) tile: 1.043 ms against 0.888 ms with pointer stores.
 FC1_TMA_STORE = flag_from_env("MOEGRAPH_FC1_TMA_STORE", False)
 
+# FC1's TMA variant loads gate and up as one [2, BN, BK] box and runs one [BM, 2 BN] dot a K
+# step (GemmConfig.paired; the product's choice in moe/experts.tile_configs unless
+# MOEGRAPH_FC1_PAIRED=0).
+FC1_PAIRED = flag_from_env("MOEGRAPH_FC1_PAIRED", True)
+
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
 # compiled but its first launch failed with "operation not supported on global/shared address
 # space" and lost the CUDA context (not recoverable, so no fallback can catch it). A config
@@ -112,6 +117,9 @@ class GemmConfig(NamedTuple):
     # Where block_m is the route block: leave each expert's last block, when it holds at most
     # block_m / 2 real rows, to a second launch of block_m / 2-row tiles (slot_schedule.py).
     split_tail: bool = False
+    # fc1_swiglu with TMA: gate and up weight tiles as one [2, BN, BK] box of w_gate_up seen
+    # as [2E, F, H], one [BM, 2BN] dot a K step (2 * BN <= 256). Other kernels ignore it.
+    paired: bool = False
 
     @property
     def variant(self) -> str:
@@ -123,19 +131,21 @@ class GemmConfig(NamedTuple):
             parts.append("noflat")
         if self.split_tail:
             parts.append("tail")
+        if self.paired:
+            parts.append("pair")
         return "+".join(parts) or "base"
 
     def with_variant(self, name: str) -> GemmConfig:
         """This tile under the variant `name` ('base', 'tma', 'tma+persistent+ws', ...: the
         `variant` property's spelling)."""
         parts = set(name.split("+")) - {"base"}
-        unknown = parts - {"tma", "persistent", "ws", "noflat", "tail"}
+        unknown = parts - {"tma", "persistent", "ws", "noflat", "tail", "pair"}
         if unknown:
             raise ValueError(f"GemmConfig: unknown variant part {sorted(unknown)[0]!r} in "
-                             f"{name!r}; parts are tma, persistent, ws, noflat, tail")
+                             f"{name!r}; parts are tma, persistent, ws, noflat, tail, pair")
         return self._replace(tma="tma" in parts, persistent="persistent" in parts,
                              warp_specialize="ws" in parts, flatten="noflat" not in parts,
-                             split_tail="tail" in parts)
+                             split_tail="tail" in parts, paired="pair" in parts)
 
 
 class Plan(NamedTuple):
@@ -148,6 +158,7 @@ class Plan(NamedTuple):
     fallback: str = ""  # why the requested variant was replaced by the pointer path
     tail: bool = False  # a second launch of half-height tiles ran the experts' last blocks
     store_tma: bool = False  # FC1 wrote Y1 and A through TMA store descriptors
+    paired: bool = False  # FC1 loaded gate and up as one [2, BN, BK] box, one dot
 
 
 # The plan of the latest launch of each kernel ("fc1", "fc2"/"dx" by w_nk, "dact"), for tests
@@ -242,7 +253,8 @@ def dact_config(ffn: int, block_m: int, device: torch.device) -> GemmConfig:
 def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
                     b0_ptrs, b1_ptrs, b_step, n_ok, b_desc, b_row, b_col, b1_row_offset,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                    TWO_B: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr):
+                    TWO_B: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr,
+                    B_PAIR: tl.constexpr = False):
     """acc0 += A @ B0 (and acc1 += A @ B1 if TWO_B) over k in [0, k_size), BLOCK_K at a time.
 
     A [BM, BK]: gathered rows, a_ptrs already offset by slot_token; padding rows (row_ok
@@ -250,6 +262,8 @@ def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
     b1_ptrs, advanced by b_step; columns past n_ok and rows past k_size read zeros) or, with
     B_TMA, from the descriptor b_desc: B_NK tiles [BN, BK] at (b_row, k) and
     (b_row + b1_row_offset, k), transposed; otherwise tiles [BK, BN] at (b_row + k, b_col).
+    B_PAIR (with B_TMA, B_NK, not TWO_B): b_desc is 3-D, its [2, BN, BK] box at (b_row, b_col,
+    k) is the [2 BN, BK] tile B0, transposed.
     """
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, k_size, BLOCK_K):
@@ -259,7 +273,10 @@ def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
             k_ok = offs_k + k0 < k_size
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if B_TMA:
-            if B_NK:
+            if B_PAIR:
+                pair = b_desc.load([b_row, b_col, k0])
+                b0 = tl.reshape(pair, (2 * pair.shape[1], pair.shape[2])).T
+            elif B_NK:
                 b0 = b_desc.load([b_row, k0]).T
                 if TWO_B:
                     b1 = b_desc.load([b_row + b1_row_offset, k0]).T
@@ -303,7 +320,7 @@ def _fc1_swiglu_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, Y_TMA: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PAIRED: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -316,7 +333,15 @@ def _fc1_swiglu_tile(
     wg_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
                + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
     wu_ptrs = wg_ptrs + ffn * stride_wn
-    if INTERLEAVED:  # rows e*2F + 2*BN*j + [0, BN) gate, + [BN, 2BN) up: one [BN2, BK] tile
+    if PAIRED:  # w_desc over w as [2E, F, H]: box (2e, n, k) = gate rows n.., up rows n..
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        acc, _ = gathered_k_loop(
+            acc, acc, x_ptrs, row_ok, hidden, wg_ptrs, wg_ptrs, BLOCK_K, n_ok,
+            w_desc, 2 * expert, pid_n * BLOCK_N, 0,
+            BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=True, B_NK=True,
+            B_PAIR=True)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    elif INTERLEAVED:  # rows e*2F + 2*BN*j + [0, BN) gate, + [BN, 2BN) up: one [BN2, BK] tile
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         acc, _ = gathered_k_loop(
             acc, acc, x_ptrs, row_ok, hidden, wg_ptrs, wg_ptrs, BLOCK_K, n_ok,
@@ -368,7 +393,7 @@ def _fc1_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-    TAIL: tl.constexpr, Y_TMA: tl.constexpr, INTERLEAVED: tl.constexpr,
+    TAIL: tl.constexpr, Y_TMA: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRED: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -388,7 +413,7 @@ def _fc1_swiglu_kernel(
                 alpha, limit, num_tokens, num_routes, ffn, hidden,
                 stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
-                INTERLEAVED)
+                INTERLEAVED, PAIRED)
             if TAIL == 2:
                 store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1,
                                       stride_act, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -405,7 +430,7 @@ def _fc1_swiglu_kernel(
             num_tokens, num_routes, ffn, hidden,
             stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
-            INTERLEAVED)
+            INTERLEAVED, PAIRED)
         if TAIL == 2:
             store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1, stride_act,
                                   pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -716,10 +741,26 @@ def _weight_desc(w_E: torch.Tensor, block_shape: tuple[int, int]):
     return tma.descriptor(rows, block_shape)
 
 
+def _gate_up_pair_desc(w_EFH: torch.Tensor, block_n: int, block_k: int):
+    """Descriptor over w_gate_up [E, 2F, H] seen as [2E, F, H] (gate of e at 2e, up at 2e + 1)
+    with [2, BN, BK] boxes, or None where TMA cannot read it or one dot cannot take 2 BN."""
+    E, two_f, H = w_EFH.shape
+    f, row = two_f // 2, w_EFH.stride(1)
+    if 2 * block_n > 256 or w_EFH.stride(2) != 1 or (E > 1 and w_EFH.stride(0) != two_f * row):
+        return None
+    pairs = w_EFH.as_strided((2 * E, f, H), (f * row, row, 1))
+    rows = pairs.as_strided((2 * E * f, H), (row, 1))  # the same checks as a 2-D matrix
+    if 2 * E * f >= 2**31 or not tma.matrix_fits(rows, (block_n, block_k)):
+        return None
+    return tma.TensorDescriptor(pairs, list(pairs.shape), list(pairs.stride()),
+                                [2, block_n, block_k])
+
+
 def _with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: tuple,
                    launch):
     """launch(cfg), or launch(pointer-path cfg) where cfg's variant failed on this GPU."""
-    base = cfg._replace(tma=False, persistent=False, warp_specialize=False, split_tail=False)
+    base = cfg._replace(tma=False, persistent=False, warp_specialize=False, split_tail=False,
+                        paired=False)
     if cfg == base or device.type != "cuda" or not FALLBACK_ON_ERROR:
         return _fitted(name, cfg, shape_key, launch) if device.type == "cuda" else launch(cfg)
     key = (name, cfg, shape_key)
@@ -789,10 +830,14 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
                 bias_EF2=None, clamp=None, interleaved=False):
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
-    w_desc = None
+    w_desc, paired = None, False
     if cfg.tma and tma.tma_available(x_TH.device):
-        w_desc = _weight_desc(w_gate_up_EFH, ((2 if interleaved else 1) * cfg.block_n,
-                                              cfg.block_k))
+        if cfg.paired and not interleaved:
+            w_desc = _gate_up_pair_desc(w_gate_up_EFH, cfg.block_n, cfg.block_k)
+            paired = w_desc is not None
+        if w_desc is None:
+            w_desc = _weight_desc(w_gate_up_EFH, ((2 if interleaved else 1) * cfg.block_n,
+                                                  cfg.block_k))
     if interleaved and w_desc is None:
         raise ValueError("fc1_swiglu: interleaved weights need a TMA descriptor")
     grid, live_list, meta, plan = _plan(routes, cfg, ffn, x_TH.device, w_desc is not None)
@@ -814,9 +859,11 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
             CLAMPED=clamp is not None, TAIL=tail, Y_TMA=y_tma, INTERLEAVED=interleaved,
+            PAIRED=paired,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
 
-    plan = plan._replace(store_tma=_fc1_store_tma(cfg, w_desc is not None, ffn, y1_out, act_out))
+    plan = plan._replace(store_tma=_fc1_store_tma(cfg, w_desc is not None, ffn, y1_out, act_out),
+                         paired=paired)
     LAST_PLAN["fc1"] = _launch_split(launch, routes, cfg, grid, live_list, meta, plan,
                                      w_gate_up_EFH.shape[0], ffn, x_TH.device)
     return y1_out, act_out

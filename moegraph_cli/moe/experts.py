@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from moegraph_kernels import gather_gemm
 from moegraph_kernels.combine import gather_combine
 from moegraph_kernels.gather_gemm import (GemmConfig, dact_config, dact_swiglu, dp_tiles,
                                           fc1_config, fc1_swiglu, fc2_config, route_block_m,
@@ -98,7 +99,8 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     fc2 = cfg.fc2.with_variant("tma+persistent") if block >= 128 else \
         GemmConfig(64, 128, 64, 8, 4, 4)
     dx = cfg.dx.with_variant("tma+persistent") if block < 128 else cfg.dx
-    return cfg._replace(fc1=cfg.fc1.with_variant("tma"), fc2=fc2, dx=dx)
+    fc1 = cfg.fc1.with_variant("tma+pair" if gather_gemm.FC1_PAIRED else "tma")
+    return cfg._replace(fc1=fc1, fc2=fc2, dx=dx)
 
 
 def build_routes(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,

@@ -119,11 +119,22 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     with pytest.raises(ValueError, match="unknown variant part 'tmaa'"):
         cfg.with_variant("tmaa+persistent")
     # the product's choice (moe/experts.tile_configs), measured on the H200
-    for routes, variants in ((8192 * 8, ("tma", "tma+persistent", "base", "base")),
-                             (1024 * 8, ("tma", "base", "base", "tma+persistent"))):
+    fc1 = "tma+pair" if gg.FC1_PAIRED else "tma"
+    for routes, variants in ((8192 * 8, (fc1, "tma+persistent", "base", "base")),
+                             (1024 * 8, (fc1, "base", "base", "tma+persistent"))):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
         assert tuple(c.variant for c in chosen[1:5]) == variants
         assert all(c.variant == "base" for c in chosen[5:])
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_fc1_pairing_follows_its_switch(paired, monkeypatch):
+    """MOEGRAPH_FC1_PAIRED (read into gg.FC1_PAIRED) picks the paired FC1; nothing else moves."""
+    monkeypatch.setattr(gg, "FC1_PAIRED", paired)
+    chosen = tile_configs(8192 * 8, 128, 2048, 768, torch.device("cuda"))
+    assert chosen.fc1.variant == ("tma+pair" if paired else "tma")
+    assert chosen.fc1._replace(paired=False) == chosen.fc1._replace(paired=False, tma=True)
+    assert all(not c.paired for c in chosen[2:])
 
 
 def test_fc1_default_tiles_by_slot_block():
@@ -131,7 +142,7 @@ def test_fc1_default_tiles_by_slot_block():
     of 64, FC2 four stages."""
     cuda = torch.device("cuda")
     assert tuple(gg.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
-                                                    False, False)
+                                                    False, False, False)
     assert tuple(gg.fc1_config(768, 64, cuda))[:6] == (64, 128, 32, 8, 4, 5)
     assert gg.fc1_config(1408, 128, cuda).block_n == 128  # 1408 = 11 x 128
     assert tuple(gg.fc2_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 4)
@@ -150,7 +161,7 @@ def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
     assert gg.fc1_config(768, 64, cuda) == default64
     assert gg.fc1_config(768, 128, cpu) == gg.GemmConfig(128, 32, 32, 4, 4, 1)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
-    assert chosen.fc1 == tile.with_variant("tma")
+    assert chosen.fc1 == tile.with_variant("tma+pair" if gg.FC1_PAIRED else "tma")
     fc2 = gg.GemmConfig(128, 128, 64, 8, 8, 4)
     monkeypatch.setattr(gg, "FC2_TILE_OVERRIDE", fc2)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
@@ -319,6 +330,29 @@ def test_fc1_with_interleaved_gate_up_weights_matches_the_default(case, capacity
     with pytest.raises(ValueError, match="interleaved weights need the TMA variant"):
         gg.fc1_swiglu(x, w_gate_up, w_N, routes, _nan(S, 2 * F), _nan(S, F), _cfg(),
                       interleaved=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("variant", ["tma+pair", "tma+persistent+pair"])
+def test_fc1_paired_gate_up_box_matches_the_default(case, capacity_factor, variant):
+    """The paired FC1: gate and up tiles as one [2, BN, BK] box of w_gate_up seen as
+    [2E, F, H], one [BM, 2 BN] dot, the accumulator split in the epilogue. F = 19 / 20 / 48
+    leave ragged column tiles (the box reads zeros past F, never the up rows); odd sizes fall
+    back to the pointer path."""
+    plans = _check_against_default(case, capacity_factor, _cfg().with_variant(variant))
+    _, _, _, H, F = case[1:]
+    assert plans["fc1"].paired == (H % 4 == 0 and F % 4 == 0), plans["fc1"]
+    assert plans["fc1"].paired == plans["fc1"].tma
+
+
+def test_paired_descriptor_refusals():
+    """No box over a layout it cannot describe: 2 BN > 256 (one dot), non-contiguous experts."""
+    w = torch.zeros(3, 2 * 64, 32)
+    assert gg._gate_up_pair_desc(w, 32, 32) is not None
+    assert gg._gate_up_pair_desc(w, 256, 32) is None
+    assert gg._gate_up_pair_desc(w[:, :96], 32, 32) is None  # rows of an expert not 2F apart
+    assert gg._gate_up_pair_desc(w.transpose(1, 2), 32, 32) is None
 
 
 def test_persistent_block_list_spans_several_chunks(monkeypatch):
@@ -508,6 +542,24 @@ def test_cuda_fc1_tma_stores_are_bitwise_equal_to_pointer_stores(case, monkeypat
     torch.cuda.synchronize()
     live = _live_rows(_gpu_problem(case)[-1])
     assert plan.store_tma, plan
+    for g, w in zip(got, want):
+        assert torch.isnan(g[~live]).all() and torch.equal(g[live], w[live]), plan
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("variant", ["tma+pair", "tma+persistent+pair"])
+def test_cuda_fc1_paired_box_is_bitwise_equal(case, variant, monkeypatch):
+    """One [BM, 2 BN] dot over the [2, BN, BK] gate/up box sums each element's K tiles in the
+    same order as the two dots: bitwise equal to the unpaired TMA path (no fallback taken)."""
+    monkeypatch.setattr(gg, "FALLBACK_ON_ERROR", False)
+    base = _gpu_default_config("fc1", case)._replace(paired=False)
+    want = _gpu_kernel("fc1", case, base.with_variant("tma"), None)
+    got = _gpu_kernel("fc1", case, base.with_variant(variant), None)
+    plan = gg.LAST_PLAN["fc1"]
+    torch.cuda.synchronize()
+    live = _live_rows(_gpu_problem(case)[-1])
+    assert plan.paired and not plan.fallback, plan
     for g, w in zip(got, want):
         assert torch.isnan(g[~live]).all() and torch.equal(g[live], w[live]), plan
 
