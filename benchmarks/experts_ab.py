@@ -78,6 +78,11 @@ CONFIGS = {
     "fc1_interleaved": (False, {}, None),
     # FC1 without the paired gate/up box: two [BN, BK] tiles and two dots a K step
     "fc1_unpaired": (False, {}, lambda fc1: fc1._replace(paired=False)),
+    "fc1_paired_persistent": (False, {}, lambda fc1: fc1.with_variant("tma+persistent+pair")),
+    "fc1_paired_k128": (False, {}, _tile((128, 128, 128, 4, 8, 2))),
+    "fc1_paired_k32": (False, {}, _tile((128, 128, 32, 4, 8, 7))),
+    "fc1_paired_g8": (False, {}, lambda fc1: fc1._replace(group_m=8)),
+    "fc1_paired_s3": (False, {}, lambda fc1: fc1._replace(num_stages=3)),
     "tail": (True, {}, None),
     "tail_w8": (True, {"tail_config": _tail_policy(warps=8)}, None),
     "tail_w8_s2": (True, {"tail_config": _tail_policy(warps=8, stages=2)}, None),

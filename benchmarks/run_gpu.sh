@@ -57,7 +57,8 @@ for arg in "$@"; do
     experts_forward) cmd="python3 benchmarks/expert_breakdown.py --tokens 8192,32768 --only default,grouped_mm_baseline --out $WORK/experts_forward.json" ;;
     experts_ab) cmd="python3 benchmarks/experts_ab.py --tokens 1024,8192,32768 --rounds 9 --configs fc1_unpaired,fc1_interleaved --out $WORK/experts_ab.json" ;;
     experts_small) cmd="python3 benchmarks/expert_breakdown.py --tokens 1024 --only default,grouped_mm_baseline --out $WORK/experts_small.json" ;;
-    paired_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py tests/gpu/test_experts_cuda.py tests/gpu/test_gpt_oss_experts_cuda.py -k 'paired or interleaved or experts'" ;;
+    paired_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py::test_cuda_fc1_paired_box_is_bitwise_equal tests/gpu/test_experts_cuda.py tests/gpu/test_gpt_oss_experts_cuda.py" ;;
+    paired_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192 --rounds 9 --configs fc1_unpaired,fc1_paired_persistent,fc1_paired_k128,fc1_paired_k32,fc1_paired_g8,fc1_paired_s3 --out $WORK/paired_ab.json" ;;
     tail_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py tests/gpu/test_experts_cuda.py" ;;
     sink_attention) cmd="python3 benchmarks/sink_attention.py --out $WORK/sink_attention.json" ;;
     slice_reference) cmd="python3 benchmarks/architectures.py --reference-only qwen3-30b-a3b-4layer,moonlight-16b-a3b-4layer,qwen1.5-moe-a2.7b-4layer,gpt-oss-20b-4layer,mixtral-8x7b-4layer,qwen2-57b-a14b-4layer --out $WORK/slice_reference.json" ;;
