@@ -77,7 +77,8 @@ CONFIGS = {
     # FC1 alone (fc1 rows only): gate / up weight rows interleaved in BN blocks, one dot
     "fc1_interleaved": (False, {}, None),
     # FC1 without the paired gate/up box: two [BN, BK] tiles and two dots a K step
-    "fc1_unpaired": (False, {}, lambda fc1: fc1._replace(paired=False)),
+    "fc1_unpaired": (False, {}, lambda fc1: fc1._replace(paired=False, persistent=False)),
+    "fc1_not_persistent": (False, {}, lambda fc1: fc1._replace(persistent=False)),
     "fc1_paired_persistent": (False, {}, lambda fc1: fc1.with_variant("tma+persistent+pair")),
     "fc1_paired_k128": (False, {}, _tile((128, 128, 128, 4, 8, 2))),
     "fc1_paired_k32": (False, {}, _tile((128, 128, 32, 4, 8, 7))),

@@ -99,8 +99,13 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     fc2 = cfg.fc2.with_variant("tma+persistent") if block >= 128 else \
         GemmConfig(64, 128, 64, 8, 4, 4)
     dx = cfg.dx.with_variant("tma+persistent") if block < 128 else cfg.dx
-    fc1 = cfg.fc1.with_variant("tma+pair" if gather_gemm.FC1_PAIRED else "tma")
-    return cfg._replace(fc1=fc1, fc2=fc2, dx=dx)
+    # FC1 paired (one [2, BN, BK] gate/up box, one dot a K step), and at 128-row blocks
+    # persistent: benchmarks/experts_ab.py on the H200, T = 8192, FC1 alone 0.818 ms paired
+    # against 0.895 unpaired, 0.796 paired + persistent (results/NOTES.md, 2026-11-30).
+    fc1 = "tma+pair" if gather_gemm.FC1_PAIRED else "tma"
+    if gather_gemm.FC1_PAIRED and block >= 128:
+        fc1 = "tma+persistent+pair"
+    return cfg._replace(fc1=cfg.fc1.with_variant(fc1), fc2=fc2, dx=dx)
 
 
 def build_routes(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,

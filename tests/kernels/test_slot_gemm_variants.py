@@ -119,9 +119,9 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     with pytest.raises(ValueError, match="unknown variant part 'tmaa'"):
         cfg.with_variant("tmaa+persistent")
     # the product's choice (moe/experts.tile_configs), measured on the H200
-    fc1 = "tma+pair" if gg.FC1_PAIRED else "tma"
-    for routes, variants in ((8192 * 8, (fc1, "tma+persistent", "base", "base")),
-                             (1024 * 8, (fc1, "base", "base", "tma+persistent"))):
+    big, small = ("tma+persistent+pair", "tma+pair") if gg.FC1_PAIRED else ("tma", "tma")
+    for routes, variants in ((8192 * 8, (big, "tma+persistent", "base", "base")),
+                             (1024 * 8, (small, "base", "base", "tma+persistent"))):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
         assert tuple(c.variant for c in chosen[1:5]) == variants
         assert all(c.variant == "base" for c in chosen[5:])
@@ -132,9 +132,10 @@ def test_fc1_pairing_follows_its_switch(paired, monkeypatch):
     """MOEGRAPH_FC1_PAIRED (read into gg.FC1_PAIRED) picks the paired FC1; nothing else moves."""
     monkeypatch.setattr(gg, "FC1_PAIRED", paired)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, torch.device("cuda"))
-    assert chosen.fc1.variant == ("tma+pair" if paired else "tma")
-    assert chosen.fc1._replace(paired=False) == chosen.fc1._replace(paired=False, tma=True)
+    assert chosen.fc1.variant == ("tma+persistent+pair" if paired else "tma")
     assert all(not c.paired for c in chosen[2:])
+    small = tile_configs(1024 * 8, 128, 2048, 768, torch.device("cuda"))  # 64-row blocks
+    assert small.fc1.variant == ("tma+pair" if paired else "tma")
 
 
 def test_fc1_default_tiles_by_slot_block():
@@ -161,7 +162,7 @@ def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
     assert gg.fc1_config(768, 64, cuda) == default64
     assert gg.fc1_config(768, 128, cpu) == gg.GemmConfig(128, 32, 32, 4, 4, 1)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
-    assert chosen.fc1 == tile.with_variant("tma+pair" if gg.FC1_PAIRED else "tma")
+    assert chosen.fc1 == tile.with_variant("tma+persistent+pair" if gg.FC1_PAIRED else "tma")
     fc2 = gg.GemmConfig(128, 128, 64, 8, 8, 4)
     monkeypatch.setattr(gg, "FC2_TILE_OVERRIDE", fc2)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
