@@ -114,6 +114,11 @@ def main() -> None:
                           ("wgrad_k32_s3", GemmConfig(128, 128, 32, 8, 8, 3)),
                           ("wgrad_64x128_k64_s3", GemmConfig(64, 128, 64, 8, 4, 3))):
             variants[tag] = base._replace(wgrad_down=wcfg, wgrad_gate_up=wcfg)
+        # FC1 alternatives: paired without the persistent loop, and a 96 KB paired tile
+        # (two programs per SM).
+        variants["fc1_not_persistent"] = base._replace(fc1=base.fc1._replace(persistent=False))
+        variants["fc1_p96"] = base._replace(fc1=GemmConfig(base.fc1.block_m, 64, 64, 8, 8, 3)
+                                            .with_variant("tma+pair"))
         impls = {name: (lambda *a, c=c: permute_free_moe_with_drops(*a, None, c)[0])
                  for name, c in variants.items()}
         impls["grouped_mm_baseline"] = grouped_mm_moe

@@ -79,6 +79,13 @@ CONFIGS = {
     # FC1 without the paired gate/up box: two [BN, BK] tiles and two dots a K step
     "fc1_unpaired": (False, {}, lambda fc1: fc1._replace(paired=False, persistent=False)),
     "fc1_not_persistent": (False, {}, lambda fc1: fc1._replace(persistent=False)),
+    # 96 KB paired tiles (one N = 128 dot): two programs per SM, one's epilogue under the
+    # other's K loop
+    "fc1_p96": (False, {}, lambda fc1: GemmConfig(128, 64, 64, 8, 8, 3).with_variant("tma+pair")),
+    "fc1_p96_w4": (False, {}, lambda fc1: GemmConfig(128, 64, 64, 8, 4, 3).with_variant(
+        "tma+pair")),
+    "fc1_p96_k32": (False, {}, lambda fc1: GemmConfig(128, 64, 32, 8, 8, 6).with_variant(
+        "tma+pair")),
     "fc1_paired_persistent": (False, {}, lambda fc1: fc1.with_variant("tma+persistent+pair")),
     "fc1_paired_k128": (False, {}, _tile((128, 128, 128, 4, 8, 2))),
     "fc1_paired_k32": (False, {}, _tile((128, 128, 32, 4, 8, 7))),

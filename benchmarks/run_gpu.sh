@@ -58,6 +58,9 @@ for arg in "$@"; do
     experts_ab) cmd="python3 benchmarks/experts_ab.py --tokens 1024,8192,32768 --rounds 9 --configs fc1_unpaired,fc1_interleaved --out $WORK/experts_ab.json" ;;
     experts_forward3) cmd="for i in 1 2 3; do python3 benchmarks/expert_breakdown.py --tokens 8192,32768 --only default,grouped_mm_baseline --out $WORK/experts_forward_\$i.json; done" ;;
     persistent_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192,32768 --rounds 9 --configs fc1_not_persistent,fc1_unpaired --out $WORK/persistent_ab.json" ;;
+    p96_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192,32768 --rounds 9 --configs fc1_not_persistent,fc1_p96,fc1_p96_w4,fc1_p96_k32 --out $WORK/p96_ab.json" ;;
+    experts_forward_alt) cmd="for i in 1 2; do python3 benchmarks/expert_breakdown.py --tokens 8192 --only default,fc1_not_persistent,fc1_p96,grouped_mm_baseline --out $WORK/experts_forward_alt_\$i.json; done" ;;
+    p96_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py -k paired" ;;
     experts_small) cmd="python3 benchmarks/expert_breakdown.py --tokens 1024 --only default,grouped_mm_baseline --out $WORK/experts_small.json" ;;
     paired_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py::test_cuda_fc1_paired_box_is_bitwise_equal tests/gpu/test_experts_cuda.py tests/gpu/test_gpt_oss_experts_cuda.py" ;;
     paired_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192 --rounds 9 --configs fc1_unpaired,fc1_paired_persistent,fc1_paired_k128,fc1_paired_k32,fc1_paired_g8,fc1_paired_s3 --out $WORK/paired_ab.json" ;;

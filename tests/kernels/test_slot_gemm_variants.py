@@ -549,12 +549,16 @@ def test_cuda_fc1_tma_stores_are_bitwise_equal_to_pointer_stores(case, monkeypat
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("variant", ["tma+pair", "tma+persistent+pair"])
+@pytest.mark.parametrize("variant", ["tma+pair", "tma+persistent+pair", "96KB:tma+pair"])
 def test_cuda_fc1_paired_box_is_bitwise_equal(case, variant, monkeypatch):
     """One [BM, 2 BN] dot over the [2, BN, BK] gate/up box sums each element's K tiles in the
-    same order as the two dots: bitwise equal to the unpaired TMA path (no fallback taken)."""
+    same order as the two dots: bitwise equal to the unpaired TMA path (no fallback taken).
+    `96KB:` runs the 128 x (2 x 64) x 64 tile of 3 stages (two programs per SM)."""
     monkeypatch.setattr(gg, "FALLBACK_ON_ERROR", False)
     base = _gpu_default_config("fc1", case)._replace(paired=False)
+    if variant.startswith("96KB:"):
+        variant = variant[5:]
+        base = gg.GemmConfig(base.block_m, 64, 64, 8, 8, 3)
     want = _gpu_kernel("fc1", case, base.with_variant("tma"), None)
     got = _gpu_kernel("fc1", case, base.with_variant(variant), None)
     plan = gg.LAST_PLAN["fc1"]
