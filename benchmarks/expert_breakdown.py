@@ -28,7 +28,6 @@ from moe_experts import (SHAPES, grouped_mm_moe, make_case, time_fwd_bwd,  # noq
 
 from moegraph_cli.harness import device_info  # noqa: E402
 from moegraph_cli.moe.experts import permute_free_moe_with_drops, tile_configs  # noqa: E402
-from moegraph_kernels import gather_gemm  # noqa: E402
 from moegraph_kernels.gather_gemm import GemmConfig  # noqa: E402
 
 
@@ -90,17 +89,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/expert_breakdown.json")
     ap.add_argument("--only", default=None, help="comma list of impls (default, block32, "
                     "..., grouped_mm_baseline)")
-    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a kernels/gather_gemm.py attribute set before anything runs (string "
-                         "attributes only, e.g. FC1_STORE_POLICY=evict_first); repeatable")
     args = ap.parse_args()
-    patched = {}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        if not isinstance(getattr(gather_gemm, name, None), str):
-            sys.exit(f"expert_breakdown: --set {item}: not a string attribute of gather_gemm")
-        setattr(gather_gemm, name, value)
-        patched[name] = value
     E, H, F_, k = SHAPES["qwen3"]
     records = []
     for T in [int(t) for t in args.tokens.split(",")]:
@@ -163,7 +152,6 @@ def main() -> None:
                        graph_fwd_back_to_back_ms=gfwd_b2b,
                        fwd_tflops=fwd_flops / fwd / 1e9,
                        config=None if cfg is None else repr(cfg), kernels_us=table,
-                       patched=patched,
                        **device_info())
             records.append(rec)
             print(f"T={T} {name}: fwd {fwd:.3f} bwd {bwd:.3f} total {fwd + bwd:.3f} ms; "

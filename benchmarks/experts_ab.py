@@ -79,13 +79,6 @@ CONFIGS = {
     # FC1 without the paired gate/up box: two [BN, BK] tiles and two dots a K step
     "fc1_unpaired": (False, {}, lambda fc1: fc1._replace(paired=False, persistent=False)),
     "fc1_not_persistent": (False, {}, lambda fc1: fc1._replace(persistent=False)),
-    # L2 eviction hints: streaming stores of Y1 / A (FC1) and Y2 (FC2); X kept in L2
-    "evict_stores": (False, {"FC1_STORE_POLICY": "evict_first",
-                             "FC2_STORE_POLICY": "evict_first"}, None),
-    "fc1_evict_stores": (False, {"FC1_STORE_POLICY": "evict_first"}, None),
-    "keep_x": (False, {"FC1_X_POLICY": "evict_last"}, None),
-    "evict_stores_keep_x": (False, {"FC1_STORE_POLICY": "evict_first", "FC2_STORE_POLICY":
-                                    "evict_first", "FC1_X_POLICY": "evict_last"}, None),
     # 96 KB paired tiles (one N = 128 dot): two programs per SM, one's epilogue under the
     # other's K loop
     "fc1_p96": (False, {}, lambda fc1: GemmConfig(128, 64, 64, 8, 8, 3).with_variant("tma+pair")),

@@ -94,13 +94,6 @@ FC1_TMA_STORE = flag_from_env("MOEGRAPH_FC1_TMA_STORE", False)
 # MOEGRAPH_FC1_PAIRED=0).
 FC1_PAIRED = flag_from_env("MOEGRAPH_FC1_PAIRED", True)
 
-# L2 eviction hints (tl.load / tl.store eviction_policy: "", "evict_first", "evict_last") on
-# FC1's gathered X loads, its Y1 / A stores and FC2's output stores; "" leaves the default.
-# Benchmarks patch them (benchmarks/experts_ab.py); the results never depend on them.
-FC1_X_POLICY = ""
-FC1_STORE_POLICY = ""
-FC2_STORE_POLICY = ""
-
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
 # compiled but its first launch failed with "operation not supported on global/shared address
 # space" and lost the CUDA context (not recoverable, so no fallback can catch it). A config
@@ -261,7 +254,7 @@ def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
                     b0_ptrs, b1_ptrs, b_step, n_ok, b_desc, b_row, b_col, b1_row_offset,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                     TWO_B: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr,
-                    B_PAIR: tl.constexpr = False, A_POLICY: tl.constexpr = ""):
+                    B_PAIR: tl.constexpr = False):
     """acc0 += A @ B0 (and acc1 += A @ B1 if TWO_B) over k in [0, k_size), BLOCK_K at a time.
 
     A [BM, BK]: gathered rows, a_ptrs already offset by slot_token; padding rows (row_ok
@@ -275,11 +268,10 @@ def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, k_size, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0, eviction_policy=A_POLICY)
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             k_ok = offs_k + k0 < k_size
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy=A_POLICY)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if B_TMA:
             if B_PAIR:
                 pair = b_desc.load([b_row, b_col, k0])
@@ -328,8 +320,7 @@ def _fc1_swiglu_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, Y_TMA: tl.constexpr,
-    INTERLEAVED: tl.constexpr, PAIRED: tl.constexpr, X_POLICY: tl.constexpr,
-    STORE_POLICY: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PAIRED: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -348,7 +339,7 @@ def _fc1_swiglu_tile(
             acc, acc, x_ptrs, row_ok, hidden, wg_ptrs, wg_ptrs, BLOCK_K, n_ok,
             w_desc, 2 * expert, pid_n * BLOCK_N, 0,
             BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=True, B_NK=True,
-            B_PAIR=True, A_POLICY=X_POLICY)
+            B_PAIR=True)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     elif INTERLEAVED:  # rows e*2F + 2*BN*j + [0, BN) gate, + [BN, 2BN) up: one [BN2, BK] tile
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
@@ -364,8 +355,7 @@ def _fc1_swiglu_tile(
         acc_g, acc_u = gathered_k_loop(
             acc_g, acc_u, x_ptrs, row_ok, hidden, wg_ptrs, wu_ptrs, BLOCK_K, n_ok,
             w_desc, expert * 2 * ffn + pid_n * BLOCK_N, 0, ffn,
-            BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=True, B_TMA=USE_TMA, B_NK=True,
-            A_POLICY=X_POLICY)
+            BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=True, B_TMA=USE_TMA, B_NK=True)
 
     if HAS_BIAS:  # b_gate_up[e] in fp32 into the accumulator; padding rows stay zero
         b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + offs_n
@@ -387,10 +377,10 @@ def _fc1_swiglu_tile(
         rows = offs_m.to(tl.int64)[:, None]
         out_mask = n_ok[None, :]
         y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
-        tl.store(y1_ptrs, g, mask=out_mask, eviction_policy=STORE_POLICY)
-        tl.store(y1_ptrs + ffn, u, mask=out_mask, eviction_policy=STORE_POLICY)
+        tl.store(y1_ptrs, g, mask=out_mask)
+        tl.store(y1_ptrs + ffn, u, mask=out_mask)
         tl.store(act_ptr + rows * stride_act + offs_n[None, :],
-                 act.to(act_ptr.dtype.element_ty), mask=out_mask, eviction_policy=STORE_POLICY)
+                 act.to(act_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -404,7 +394,6 @@ def _fc1_swiglu_kernel(
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
     TAIL: tl.constexpr, Y_TMA: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRED: tl.constexpr,
-    X_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -424,7 +413,7 @@ def _fc1_swiglu_kernel(
                 alpha, limit, num_tokens, num_routes, ffn, hidden,
                 stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
-                INTERLEAVED, PAIRED, X_POLICY, STORE_POLICY)
+                INTERLEAVED, PAIRED)
             if TAIL == 2:
                 store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1,
                                       stride_act, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -441,7 +430,7 @@ def _fc1_swiglu_kernel(
             num_tokens, num_routes, ffn, hidden,
             stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
-            INTERLEAVED, PAIRED, X_POLICY, STORE_POLICY)
+            INTERLEAVED, PAIRED)
         if TAIL == 2:
             store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1, stride_act,
                                   pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -459,7 +448,6 @@ def _slot_gemm_tile(
     bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
     W_NK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    STORE_POLICY: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -504,8 +492,7 @@ def _slot_gemm_tile(
                     other=0.0).to(tl.float32)
         acc += p[:, None] * b[None, :]
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[None, :],
-             eviction_policy=STORE_POLICY)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit
@@ -519,7 +506,7 @@ def _slot_gemm_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    TAIL: tl.constexpr, STORE_POLICY: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -539,7 +526,7 @@ def _slot_gemm_kernel(
                                 N, K, stride_a, stride_we, stride_w, stride_c,
                                 bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
                                 W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA,
-                                HAS_BIAS, STORE_POLICY)
+                                HAS_BIAS)
         else:
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                                  flatten=FLATTEN):
@@ -549,7 +536,7 @@ def _slot_gemm_kernel(
                                 N, K, stride_a, stride_we, stride_w, stride_c,
                                 bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
                                 W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA,
-                                HAS_BIAS, STORE_POLICY)
+                                HAS_BIAS)
                 if TAIL == 2:
                     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
                     store_zero_rows(c_ptr, (pid_m + 1) * BLOCK_M, stride_c, offs_n, offs_n < N,
@@ -564,8 +551,7 @@ def _slot_gemm_kernel(
         _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr, N, K,
                         stride_a, stride_we, stride_w, stride_c,
                         bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
-                        W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS,
-                        STORE_POLICY)
+                        W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS)
         if TAIL == 2:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             store_zero_rows(c_ptr, (pid_m + 1) * BLOCK_M, stride_c, offs_n, offs_n < N,
@@ -873,7 +859,7 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
             CLAMPED=clamp is not None, TAIL=tail, Y_TMA=y_tma, INTERLEAVED=interleaved,
-            PAIRED=paired, X_POLICY=FC1_X_POLICY, STORE_POLICY=FC1_STORE_POLICY,
+            PAIRED=paired,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
 
     plan = plan._replace(store_tma=_fc1_store_tma(cfg, w_desc is not None, ffn, y1_out, act_out),
@@ -945,8 +931,7 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=N
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k_dim % cfg.block_k == 0,
             EVEN_N=n % cfg.block_n == 0, WARP_SPECIALIZE=plan.warp_specialize and tail != 2,
-            TAIL=tail, STORE_POLICY=FC2_STORE_POLICY if w_nk else "",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+            TAIL=tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
 
     LAST_PLAN["fc2" if w_nk else "dx"] = _launch_split(launch, routes, cfg, grid, live_list,
                                                        meta, plan, w_E.shape[0], n, a_SK.device)

@@ -347,15 +347,6 @@ def test_fc1_paired_gate_up_box_matches_the_default(case, capacity_factor, varia
     assert plans["fc1"].paired == plans["fc1"].tma
 
 
-@pytest.mark.parametrize("policy", ["evict_first", "evict_last"])
-def test_eviction_hints_change_no_value(policy, monkeypatch):
-    """The L2 hints on FC1's X loads and Y1 / A stores and on FC2's stores are hints only."""
-    for name in ("FC1_X_POLICY", "FC1_STORE_POLICY", "FC2_STORE_POLICY"):
-        monkeypatch.setattr(gg, name, policy)
-    _check_against_default(("zipf", 64, 4, 7, 36, 20), None, _cfg())
-    _check_against_default(("zipf", 64, 4, 7, 36, 20), None, _cfg().with_variant("tma+pair"))
-
-
 def test_paired_descriptor_refusals():
     """No box over a layout it cannot describe: 2 BN > 256 (one dot), non-contiguous experts."""
     w = torch.zeros(3, 2 * 64, 32)
