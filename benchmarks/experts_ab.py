@@ -74,8 +74,6 @@ CONFIGS = {
     "fc1_persistent_noflat": (False, {}, lambda fc1: fc1.with_variant("tma+persistent+noflat")),
     "fc1_g1": (False, {}, lambda fc1: fc1._replace(group_m=1)),
     "fc1_g16": (False, {}, lambda fc1: fc1._replace(group_m=16)),
-    # FC1 alone (fc1 rows only): gate / up weight rows interleaved in BN blocks, one dot
-    "fc1_interleaved": (False, {}, None),
     # FC1 without the paired gate/up box: two [BN, BK] tiles and two dots a K step
     "fc1_unpaired": (False, {}, lambda fc1: fc1._replace(paired=False, persistent=False)),
     "fc1_not_persistent": (False, {}, lambda fc1: fc1._replace(persistent=False)),
@@ -168,11 +166,6 @@ def measure(T, rounds, names):
     xd, wgud, wdd = x.detach(), wgu.detach(), wd.detach()
     steps = {}
     for name, (c, attrs) in cfgs.items():
-        if name == "fc1_interleaved":
-            w_il = gather_gemm.interleave_gate_up(wgud, c.fc1.block_n)
-            steps[(name, "fc1")] = capture_graph(lambda c=c: fc1_swiglu(
-                xd, w_il, w_N, routes, y1, act, c.fc1, interleaved=True)).replay
-            continue
         fwd = _under(attrs, lambda c=c: permute_free_moe_with_drops(x, ids, w, wgu, wd, None, c))
         steps[(name, "forward")] = capture_graph(fwd).replay
         steps[(name, "eager_forward")] = fwd

@@ -10,7 +10,7 @@
 # combine_sweep (the gather-combine tile; its winner is exported to the stages after it),
 # fc1_sweep / fc2_sweep (the FC1 / FC2 tile at 128-row blocks, likewise exported),
 # slice_reference_qwen2, tail_tests (the slot-GEMM variants, the split tail among them, and the expert path),
-# experts_ab (interleaved A/B of the expert forward and FC1 / FC2: paired FC1 vs unpaired and interleaved),
+# experts_ab (interleaved A/B of the expert forward and FC1 / FC2: paired FC1 vs unpaired and not persistent),
 # experts_small (T = 1024 fwd+bwd vs the baseline), paired_tests (the paired FC1 and the expert path on the GPU)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -55,7 +55,7 @@ for arg in "$@"; do
     slice_reference_qwen2) cmd="python3 benchmarks/architectures.py --reference-only qwen2-57b-a14b-4layer --out $WORK/slice_reference_qwen2.json" ;;
     combine_sweep) cmd="python3 benchmarks/combine_sweep.py --tokens 8192 --out $WORK/combine_sweep.json" ;;
     experts_forward) cmd="python3 benchmarks/expert_breakdown.py --tokens 8192,32768 --only default,grouped_mm_baseline --out $WORK/experts_forward.json" ;;
-    experts_ab) cmd="python3 benchmarks/experts_ab.py --tokens 1024,8192,32768 --rounds 9 --configs fc1_unpaired,fc1_interleaved --out $WORK/experts_ab.json" ;;
+    experts_ab) cmd="python3 benchmarks/experts_ab.py --tokens 1024,8192,32768 --rounds 9 --configs fc1_unpaired,fc1_not_persistent --out $WORK/experts_ab.json" ;;
     experts_forward3) cmd="for i in 1 2 3; do python3 benchmarks/expert_breakdown.py --tokens 8192,32768 --only default,grouped_mm_baseline --out $WORK/experts_forward_\$i.json; done" ;;
     persistent_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192,32768 --rounds 9 --configs fc1_not_persistent,fc1_unpaired --out $WORK/persistent_ab.json" ;;
     p96_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192,32768 --rounds 9 --configs fc1_not_persistent,fc1_p96,fc1_p96_w4,fc1_p96_k32 --out $WORK/p96_ab.json" ;;

@@ -49,11 +49,13 @@ tma.py; the default is the pointer path with one program per tile):
   same order; the half-height MMA is the only change (bitwise equal on the H200). Off in the
   product: on the H200 the second launch cost more than it saved, at every tail tile tried
   (benchmarks/experts_ab.py; results/NOTES.md, the fifth session of 2026-11-30).
-- `fc1_swiglu(..., interleaved=True)` (experimental, benchmarks only): w_gate_up's gate and up
-  rows alternate in BN-row blocks (`interleave_gate_up`), so one [2 BN, BK] TMA tile and one
-  dot a K step serve both halves and the A tile is read once; the accumulator is split in the
-  epilogue. Bitwise equal to the default on the H200 and 6.6% faster at T = 8192
-  (results/NOTES.md); the product would need the interleaved layout end to end.
+- `paired` (fc1_swiglu with `tma`, 2 BN <= 256): w_gate_up [E, 2F, H] is described as
+  [2E, F, H], so one [2, BN, BK] box holds the gate and the up rows of a column tile; it is
+  the [2 BN, BK] operand of one [BM, 2 BN] dot a K step (instead of two [BM, BN] dots, each
+  reading the A tile), and the accumulator is split into gate and up in the epilogue. A box
+  past F reads zeros, never the up rows. No weight layout changes. In the product (with
+  `persistent` at 128-row blocks): on the H200, T = 8192, FC1 0.79-0.82 ms against 0.87-0.90
+  unpaired (benchmarks/experts_ab.py; results/NOTES.md, the sixth session of 2026-11-30).
 Every variant computes each output tile with the default's tile shape and K order, so on a GPU
 its results are bitwise equal to the default path's (the cuda tests check it). In the
 interpreter too, except the transposed TMA weight tile of fc1 / fc2, which numpy's matmul sums
@@ -320,7 +322,7 @@ def _fc1_swiglu_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, Y_TMA: tl.constexpr,
-    INTERLEAVED: tl.constexpr, PAIRED: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -340,13 +342,6 @@ def _fc1_swiglu_tile(
             w_desc, 2 * expert, pid_n * BLOCK_N, 0,
             BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=True, B_NK=True,
             B_PAIR=True)
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    elif INTERLEAVED:  # rows e*2F + 2*BN*j + [0, BN) gate, + [BN, 2BN) up: one [BN2, BK] tile
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        acc, _ = gathered_k_loop(
-            acc, acc, x_ptrs, row_ok, hidden, wg_ptrs, wg_ptrs, BLOCK_K, n_ok,
-            w_desc, expert * 2 * ffn + pid_n * 2 * BLOCK_N, 0, 0,
-            BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=True, B_NK=True)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -393,7 +388,7 @@ def _fc1_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-    TAIL: tl.constexpr, Y_TMA: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRED: tl.constexpr,
+    TAIL: tl.constexpr, Y_TMA: tl.constexpr, PAIRED: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -413,7 +408,7 @@ def _fc1_swiglu_kernel(
                 alpha, limit, num_tokens, num_routes, ffn, hidden,
                 stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
-                INTERLEAVED, PAIRED)
+                PAIRED)
             if TAIL == 2:
                 store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1,
                                       stride_act, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -430,7 +425,7 @@ def _fc1_swiglu_kernel(
             num_tokens, num_routes, ffn, hidden,
             stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
-            INTERLEAVED, PAIRED)
+            PAIRED)
         if TAIL == 2:
             store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1, stride_act,
                                   pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -799,47 +794,32 @@ def _fitted(name: str, cfg: GemmConfig, shape_key: tuple, launch):
 
 
 def fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes: RouteList, y1_out, act_out,
-               cfg: GemmConfig | None = None, *, bias_EF2=None, clamp=None,
-               interleaved: bool = False):
+               cfg: GemmConfig | None = None, *, bias_EF2=None, clamp=None):
     """Fill y1_out [S, 2F] and act_out [S, F] (live blocks only); see the module docstring.
     `bias_EF2` [E, 2F] ([gate | up] halves, any float dtype) is added in fp32 to the
     accumulator before Y1 is rounded; `clamp` = (alpha, limit) picks the clamped SwiGLU.
-    `interleaved` (experimental, benchmarks only): w_gate_up_EFH is `interleave_gate_up(w,
-    cfg.block_n)`, so one [2 BN, BK] TMA tile and one dot serve gate and up; needs cfg.tma."""
+    With cfg.paired (and cfg.tma) the gate / up tiles load as one box, one dot (docstring).
+    """
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
     cfg = cfg or fc1_config(ffn, routes.block_m, x_TH.device)
-    if interleaved and (not cfg.tma or ffn % cfg.block_n or 2 * cfg.block_n > 256):
-        raise ValueError("fc1_swiglu: interleaved weights need the TMA variant, F a multiple "
-                         "of block_n and 2 * block_n <= 256")
     return _with_fallback(
-        "fc1", cfg, x_TH.device, (x_TH.dtype, routes.block_m, hidden, ffn, interleaved),
+        "fc1", cfg, x_TH.device, (x_TH.dtype, routes.block_m, hidden, ffn),
         lambda c: _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, c,
-                              bias_EF2, clamp, interleaved))
-
-
-def interleave_gate_up(w_gate_up_EFH: torch.Tensor, block_n: int) -> torch.Tensor:
-    """[E, 2F, H] as [gate | up] -> the same rows, BN-row blocks of gate and up alternating:
-    rows 2*BN*j + [0, BN) are gate rows BN*j + [0, BN), the next BN the matching up rows."""
-    E, two_f, H = w_gate_up_EFH.shape
-    halves = w_gate_up_EFH.reshape(E, 2, two_f // 2 // block_n, block_n, H)
-    return halves.transpose(1, 2).reshape(E, two_f, H).contiguous()
+                              bias_EF2, clamp))
 
 
 def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cfg,
-                bias_EF2=None, clamp=None, interleaved=False):
+                bias_EF2=None, clamp=None):
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
     w_desc, paired = None, False
     if cfg.tma and tma.tma_available(x_TH.device):
-        if cfg.paired and not interleaved:
+        if cfg.paired:
             w_desc = _gate_up_pair_desc(w_gate_up_EFH, cfg.block_n, cfg.block_k)
             paired = w_desc is not None
         if w_desc is None:
-            w_desc = _weight_desc(w_gate_up_EFH, ((2 if interleaved else 1) * cfg.block_n,
-                                                  cfg.block_k))
-    if interleaved and w_desc is None:
-        raise ValueError("fc1_swiglu: interleaved weights need a TMA descriptor")
+            w_desc = _weight_desc(w_gate_up_EFH, (cfg.block_n, cfg.block_k))
     grid, live_list, meta, plan = _plan(routes, cfg, ffn, x_TH.device, w_desc is not None)
 
     def launch(grid, cfg, live_list, meta, tail):
@@ -858,8 +838,7 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
-            CLAMPED=clamp is not None, TAIL=tail, Y_TMA=y_tma, INTERLEAVED=interleaved,
-            PAIRED=paired,
+            CLAMPED=clamp is not None, TAIL=tail, Y_TMA=y_tma, PAIRED=paired,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
 
     plan = plan._replace(store_tma=_fc1_store_tma(cfg, w_desc is not None, ffn, y1_out, act_out),

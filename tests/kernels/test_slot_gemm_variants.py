@@ -290,12 +290,15 @@ def test_split_tail_needs_the_tile_to_be_the_route_block():
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_split_tail_end_to_end_matches_reference(capacity_factor):
+@pytest.mark.parametrize("pair", ["", "+pair"])
+def test_split_tail_end_to_end_matches_reference(capacity_factor, pair):
+    """The split tail, also under the paired FC1 (its tail launch reuses the pair box)."""
     case = ("zipf", 96, 4, 7, 32, 32)
-    tail = _cfg(32).with_variant("tma+persistent+tail")
+    tail = _cfg(32).with_variant("tma+persistent+tail" + pair)
     _end_to_end_matches_reference(case, capacity_factor, lambda base: base._replace(
         route_block=32, fc1=tail, fc2=tail, dact=tail, dx=tail))
     assert all(gg.LAST_PLAN[kernel].tail for kernel in KERNELS)
+    assert gg.LAST_PLAN["fc1"].paired == bool(pair)
 
 
 @pytest.mark.parametrize("store_tma", [False, True])
@@ -307,30 +310,6 @@ def test_fc1_tma_stores_match_pointer_stores(store_tma, case, monkeypatch):
     monkeypatch.setattr(gg, "FC1_TMA_STORE", store_tma)
     plans = _check_against_default(case, None, _cfg(tma=True))
     assert plans["fc1"].tma and plans["fc1"].store_tma == (store_tma and case[-1] % 32 == 0)
-
-
-@pytest.mark.parametrize("case", [("zipf", 64, 4, 7, 32, 64), ("one_expert", 40, 1, 5, 64, 64)],
-                         ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_fc1_with_interleaved_gate_up_weights_matches_the_default(case, capacity_factor):
-    """The experimental one-dot FC1: gate / up weight rows interleaved in BN blocks, one
-    [2 BN, BK] tile a K step, the accumulator split in the epilogue."""
-    x, w_N, w_gate_up, w_down, dout, routes = _problem(case, capacity_factor)
-    S, F = routes.num_slots, w_down.shape[2]
-    cfg = _cfg(tma=True)
-    want = _default(case, capacity_factor)["fc1"]
-    got = gg.fc1_swiglu(x, gg.interleave_gate_up(w_gate_up, cfg.block_n), w_N, routes,
-                        _nan(S, 2 * F), _nan(S, F), cfg, interleaved=True)
-    live = _live_rows(routes)
-    for g, w in zip(got, want):
-        assert torch.isnan(g[~live]).all()
-        torch.testing.assert_close(g[live], w[live], rtol=1e-6, atol=1e-6)
-    blocks = gg.interleave_gate_up(w_gate_up, 32).reshape(w_gate_up.shape[0], F // 32, 2, 32, -1)
-    assert torch.equal(blocks[:, 1, 0], w_gate_up[:, 32:64])  # gate rows 32..63
-    assert torch.equal(blocks[:, 1, 1], w_gate_up[:, F + 32:F + 64])  # up rows 32..63
-    with pytest.raises(ValueError, match="interleaved weights need the TMA variant"):
-        gg.fc1_swiglu(x, w_gate_up, w_N, routes, _nan(S, 2 * F), _nan(S, F), _cfg(),
-                      interleaved=True)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -567,23 +546,6 @@ def test_cuda_fc1_paired_box_is_bitwise_equal(case, variant, monkeypatch):
     assert plan.paired and not plan.fallback, plan
     for g, w in zip(got, want):
         assert torch.isnan(g[~live]).all() and torch.equal(g[live], w[live]), plan
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
-def test_cuda_fc1_with_interleaved_gate_up_weights_is_bitwise_equal(case):
-    x, w_N, w_gate_up, w_down, dout, routes = _gpu_problem(case)
-    cfg = _gpu_default_config("fc1", case)._replace(tma=True)
-    want = _gpu_kernel("fc1", case, cfg, None)
-    S, F = routes.num_slots, w_down.shape[2]
-    got = gg.fc1_swiglu(x, gg.interleave_gate_up(w_gate_up, cfg.block_n), w_N, routes,
-                        torch.full((S, 2 * F), float("nan"), dtype=x.dtype, device="cuda"),
-                        torch.full((S, F), float("nan"), dtype=x.dtype, device="cuda"), cfg,
-                        interleaved=True)
-    torch.cuda.synchronize()
-    live = _live_rows(routes)
-    for g, w in zip(got, want):
-        assert torch.isnan(g[~live]).all() and torch.equal(g[live], w[live])
 
 
 @pytest.mark.cuda
