@@ -77,7 +77,8 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     (`benchmarks/moe_experts.py --variants`, Qwen3 shape, bitwise equal to the pointer path;
     each falls back to it where TMA or persistence is unavailable): FC1 loads its weight tiles
     through TMA (T=1024: 0.364 -> 0.244 ms; T=8192: 0.891 -> 0.811 ms; at 128-row blocks a K-64
-    tile then took it to 0.795 ms, `benchmarks/tile_sweep.py`); FC2 at 128-row blocks
+    tile then took it to 0.795 ms, `benchmarks/tile_sweep.py`), as one gate/up box and one
+    dot a K step (`paired`, below); FC2 at 128-row blocks
     runs persistent with TMA (0.442 -> 0.380 ms; 4 stages then 0.373 ms, `tile_sweep.py`), at
     64-row blocks a 64 x 128 x 64 tile (0.147 -> 0.127 ms); dX at 64-row blocks persistent with
     TMA (0.252 -> 0.238 ms)."""
@@ -100,8 +101,10 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
         GemmConfig(64, 128, 64, 8, 4, 4)
     dx = cfg.dx.with_variant("tma+persistent") if block < 128 else cfg.dx
     # FC1 paired (one [2, BN, BK] gate/up box, one dot a K step), and at 128-row blocks
-    # persistent: benchmarks/experts_ab.py on the H200, T = 8192, FC1 alone 0.818 ms paired
-    # against 0.895 unpaired, 0.796 paired + persistent (results/NOTES.md, 2026-11-30).
+    # persistent: benchmarks/experts_ab.py on the H200, T = 8192, FC1 alone 0.79-0.82 ms
+    # paired against 0.87-0.90 unpaired; persistent on top 0.796 / 0.837 / 0.809 against
+    # 0.818 / 0.823 / 0.823 in three A/Bs, 3.049 / 3.004 against 3.065 / 3.052 at T = 32768
+    # (results/NOTES.md, the sixth session of 2026-11-30).
     fc1 = "tma+pair" if gather_gemm.FC1_PAIRED else "tma"
     if gather_gemm.FC1_PAIRED and block >= 128:
         fc1 = "tma+persistent+pair"
