@@ -744,11 +744,10 @@ def _gate_up_pair_desc(w_EFH: torch.Tensor, block_n: int, block_k: int):
     if 2 * block_n > 256 or w_EFH.stride(2) != 1 or (E > 1 and w_EFH.stride(0) != two_f * row):
         return None
     pairs = w_EFH.as_strided((2 * E, f, H), (f * row, row, 1))
-    rows = pairs.as_strided((2 * E * f, H), (row, 1))  # the same checks as a 2-D matrix
-    if 2 * E * f >= 2**31 or not tma.matrix_fits(rows, (block_n, block_k)):
+    # Alignment, row stride and box checks: those of the same rows as one 2-D matrix.
+    if not tma.matrix_fits(pairs.as_strided((2 * E * f, H), (row, 1)), (block_n, block_k)):
         return None
-    return tma.TensorDescriptor(pairs, list(pairs.shape), list(pairs.stride()),
-                                [2, block_n, block_k])
+    return tma.descriptor(pairs, (2, block_n, block_k))
 
 
 def _with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: tuple,
@@ -798,8 +797,7 @@ def fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes: RouteList, y1_out, a
     """Fill y1_out [S, 2F] and act_out [S, F] (live blocks only); see the module docstring.
     `bias_EF2` [E, 2F] ([gate | up] halves, any float dtype) is added in fp32 to the
     accumulator before Y1 is rounded; `clamp` = (alpha, limit) picks the clamped SwiGLU.
-    With cfg.paired (and cfg.tma) the gate / up tiles load as one box, one dot (docstring).
-    """
+    With cfg.paired (and cfg.tma) gate and up load as one box for one dot (module docstring)."""
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
     cfg = cfg or fc1_config(ffn, routes.block_m, x_TH.device)

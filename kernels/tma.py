@@ -109,5 +109,6 @@ def expert_rows(w_E: torch.Tensor) -> torch.Tensor | None:
     return w_E.as_strided((E * R, C), (w_E.stride(1), 1))
 
 
-def descriptor(t: torch.Tensor, block_shape: tuple[int, int]):
+def descriptor(t: torch.Tensor, block_shape: tuple[int, ...]):
+    """A host descriptor over t (any rank) with boxes of block_shape."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape))
