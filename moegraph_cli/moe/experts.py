@@ -77,11 +77,10 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     (`benchmarks/moe_experts.py --variants`, Qwen3 shape, bitwise equal to the pointer path;
     each falls back to it where TMA or persistence is unavailable): FC1 loads its weight tiles
     through TMA (T=1024: 0.364 -> 0.244 ms; T=8192: 0.891 -> 0.811 ms; at 128-row blocks a K-64
-    tile then took it to 0.795 ms, `benchmarks/tile_sweep.py`), as one gate/up box and one
-    dot a K step (`paired`, below); FC2 at 128-row blocks
-    runs persistent with TMA (0.442 -> 0.380 ms; 4 stages then 0.373 ms, `tile_sweep.py`), at
-    64-row blocks a 64 x 128 x 64 tile (0.147 -> 0.127 ms); dX at 64-row blocks persistent with
-    TMA (0.252 -> 0.238 ms)."""
+    tile then took it to 0.795 ms, `benchmarks/tile_sweep.py`), as one gate/up box and one dot
+    a K step (`paired`, below); FC2 at 128-row blocks runs persistent with TMA (0.442 -> 0.380
+    ms; 4 stages then 0.373 ms, `tile_sweep.py`), at 64-row blocks a 64 x 128 x 64 tile
+    (0.147 -> 0.127 ms); dX at 64-row blocks persistent with TMA (0.252 -> 0.238 ms)."""
     block = route_block_m(num_routes, num_experts, device)
     cfg = TileConfigs(
         route_block=block,
