@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import count_kernels, time_ms, write_records  # noqa: E402
 
 from moegraph_cli.config import load_profile  # noqa: E402
-from moegraph_cli.harness import device_info  # noqa: E402
+from moegraph_cli.train.harness import device_info  # noqa: E402
 from moegraph_cli.models import MoeCausalLM  # noqa: E402
-from moegraph_cli.train import Trainer, synthetic_batch  # noqa: E402
+from moegraph_cli.train.trainer import Trainer, synthetic_batch  # noqa: E402
 
 
 def moegraph_step(prof, backend):

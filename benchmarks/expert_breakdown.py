@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_experts import (SHAPES, grouped_mm_moe, make_case, time_fwd_bwd,  # noqa: E402
                          time_graph)
 
-from moegraph_cli.harness import device_info  # noqa: E402
+from moegraph_cli.train.harness import device_info  # noqa: E402
 from moegraph_cli.moe.experts import permute_free_moe_with_drops, tile_configs  # noqa: E402
 from moegraph_kernels.gather_gemm import GemmConfig  # noqa: E402
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_experts import (SHAPES, capture_graph, kernel_flops, make_case,  # noqa: E402
                          time_throughput)
 
-from moegraph_cli.harness import device_info  # noqa: E402
+from moegraph_cli.train.harness import device_info  # noqa: E402
 from moegraph_cli.moe.experts import (build_routes, permute_free_moe_with_drops,  # noqa: E402
                                       tile_configs)
 from moegraph_kernels import gather_gemm  # noqa: E402

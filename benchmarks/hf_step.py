@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import time_ms  # noqa: E402
 
 from moegraph_cli.config import load_profile  # noqa: E402
-from moegraph_cli.harness import device_info  # noqa: E402
-from moegraph_cli.train import synthetic_batch  # noqa: E402
+from moegraph_cli.train.harness import device_info  # noqa: E402
+from moegraph_cli.train.trainer import synthetic_batch  # noqa: E402
 
 
 def hf_model(prof, impl: str | None):

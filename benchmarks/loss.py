@@ -6,7 +6,7 @@
 Paths, all bf16 x [T, H] and w [V, H] (w ~ N(0, 0.02)), labels with 10% ignored:
 - `fp32_ce`: logits = F.linear(x, w), then F.cross_entropy(logits.float(), labels), the
   model's `causal_lm_loss` (its label shift is an O(T) pad and left out);
-- `fused`: moegraph_cli.loss.linear_cross_entropy; `fused_inplace`: the same with
+- `fused`: moegraph_cli.train.loss.linear_cross_entropy; `fused_inplace`: the same with
   inplace_backward=True (dlogits overwrite the logits).
 Each is timed forward alone and forward + backward (dx and dW via torch.autograd.grad;
 CUDA events, median of --iters after warm-up), and its peak memory over one forward +
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
 from common import time_ms  # noqa: E402
-from moegraph_cli.loss import linear_cross_entropy  # noqa: E402
+from moegraph_cli.train.loss import linear_cross_entropy  # noqa: E402
 from moegraph_kernels.cross_entropy import (_ce_bwd_kernel, _ce_fwd_kernel,  # noqa: E402
                                             cross_entropy_forward)
 

@@ -9,7 +9,7 @@ near --params; values N(0, 0.02), gradients N(0, 1) (never zeros). Measured, eac
 with CUDA events, median of --iters:
   (a) copy: dst.copy_(src) of a flat 4 GiB buffer; bandwidth = 2 * bytes / time (read + write);
   (b) torch.optim.AdamW(fused=True) over the parameter list;
-  (c) FlatAdamW.step() (moegraph_cli/optim.py) over the same shapes;
+  (c) FlatAdamW.step() (moegraph_cli/train/optim.py) over the same shapes;
   (d) FlatAdamW.step() captured in a CUDA graph, replayed.
 Bandwidth of an AdamW step = 7 * element size bytes per parameter (read p, g, m, v; write p, m,
 v: 14 B in bf16), reported with its fraction of (a). Each implementation holds about
@@ -39,7 +39,7 @@ import triton  # noqa: E402
 from common import count_kernels, time_ms  # noqa: E402
 from moegraph_cli.config import load_profile  # noqa: E402
 from moegraph_cli.models import MoeCausalLM  # noqa: E402
-from moegraph_cli.optim import FlatAdamW  # noqa: E402
+from moegraph_cli.train.optim import FlatAdamW  # noqa: E402
 from moegraph_kernels.adamw import adamw_step, bias_correction_  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from moegraph_cli.plan.calibration import lookup  # noqa: E402
 from moegraph_cli.plan.memory import run_key, step_model  # noqa: E402
 from moegraph_cli.plan.planner import plan_command  # noqa: E402
-from moegraph_cli.runspec import resolve  # noqa: E402
+from moegraph_cli.train.runspec import resolve  # noqa: E402
 from moegraph_cli.units import fmt_bytes, parse_bytes  # noqa: E402
 
 GIB = 2**30
@@ -87,7 +87,7 @@ def worker(args) -> None:
     import torch
 
     from moegraph_cli.plan.calibration import write_entry
-    from moegraph_cli.profile import calibrate_run, steady_peaks
+    from moegraph_cli.commands.profile import calibrate_run, steady_peaks
 
     spec = resolve(args.profile)
     if args.worker == "calibrate":

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_records  # noqa: E402
 
-from moegraph_cli.harness import device_info  # noqa: E402
+from moegraph_cli.train.harness import device_info  # noqa: E402
 from moegraph_cli.models.common.sinks import sink_attention  # noqa: E402
 
 

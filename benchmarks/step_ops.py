@@ -15,9 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moegraph_cli.harness import GraphTrainer, device_info  # noqa: E402
-from moegraph_cli.runspec import build_model, resolve  # noqa: E402
-from moegraph_cli.train import batches  # noqa: E402
+from moegraph_cli.train.harness import GraphTrainer, device_info  # noqa: E402
+from moegraph_cli.train.runspec import build_model, resolve  # noqa: E402
+from moegraph_cli.train.trainer import batches  # noqa: E402
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_records  # noqa: E402
 from moe_experts import random_routes, time_events  # noqa: E402
 
-from moegraph_cli.harness import device_info  # noqa: E402
+from moegraph_cli.train.harness import device_info  # noqa: E402
 from moegraph_cli.moe.experts import tile_configs  # noqa: E402
 from moegraph_kernels import gather_gemm  # noqa: E402
 from moegraph_kernels.gather_gemm import GemmConfig, fc1_swiglu, slot_gemm  # noqa: E402

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_records  # noqa: E402
 from moe_experts import copy_bandwidth_gbs, random_routes, time_throughput  # noqa: E402
 
-from moegraph_cli.harness import device_info  # noqa: E402
+from moegraph_cli.train.harness import device_info  # noqa: E402
 from moegraph_kernels.gather_gemm import GemmConfig  # noqa: E402
 from moegraph_kernels.wgrad import expert_wgrad  # noqa: E402
 

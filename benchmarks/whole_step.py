@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moegraph_cli.harness import (GraphTrainer, build_session, capture_into,  # noqa: E402
-                                  device_info, peaks, reset_peaks, timed_steps)
-from moegraph_cli.runspec import build_model, resolve  # noqa: E402
-from moegraph_cli.train import batches  # noqa: E402
+from moegraph_cli.train.harness import (GraphTrainer, build_session, capture_into, device_info,
+                                        peaks, reset_peaks, timed_steps)
+from moegraph_cli.train.runspec import build_model, resolve  # noqa: E402
+from moegraph_cli.train.trainer import batches  # noqa: E402
 
 PROFILES = ["tiny-qwen3-moe", "qwen3-30b-a3b-4layer"]
 PARTS = [  # (part, substrings of the kernel name), first match wins

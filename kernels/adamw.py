@@ -38,7 +38,7 @@ random values (signs, magnitudes 1e-20..1e5, zeros) until no bit differed:
     approximate on GPUs). torch's CPU `sqrt` is MKL's vsSqrt, which is NOT IEEE-rounded (about
     1 fp32 value in 5 is 1 ulp off on an AVX512 host, and the pattern is MKL's and the ISA
     path's); it is not emulated, so the parameters are bitwise torch's run with an IEEE sqrt
-    (exp_avg, exp_avg_sq bitwise plain torch's). The pure-torch path in moegraph_cli/optim.py
+    (exp_avg, exp_avg_sq bitwise plain torch's). The pure-torch path in moegraph_cli/train/optim.py
     is bitwise plain torch's.
   - fma: on GPUs `tl.fma`, and fp-contraction is off (`enable_fp_fusion=False`), so no other
     mul/add pair is fused: fp32 on a GPU gives the interpreter's bits. Under TRITON_INTERPRET,

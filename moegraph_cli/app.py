@@ -17,7 +17,7 @@ import typer
 from moegraph_kernels.env import KernelEnvError
 from typer.core import TyperGroup
 
-from . import render
+from .report import render
 from .config import DEFAULT_PROFILE, profile_names
 from .errors import EXIT_ERROR, EXIT_PARITY, EXIT_USAGE, MoegraphError, UsageError
 from .units import SIZE_CONVENTION
@@ -149,7 +149,7 @@ def _root(version: Annotated[bool, typer.Option(
 
 def _fail(message: str, code: int) -> None:
     """One line for the user; inside a launched rank, handed to the launcher instead."""
-    from .dist.launch import report_error, worker_env
+    from .distributed.launch import report_error, worker_env
 
     if worker_env() is not None:
         report_error(message, code)
@@ -159,7 +159,7 @@ def _fail(message: str, code: int) -> None:
 
 def _warn(message: str) -> None:
     """One warning line on stderr, printed once per job (not again by each launched rank)."""
-    from .dist.launch import launched_by_moegraph, worker_env
+    from .distributed.launch import launched_by_moegraph, worker_env
 
     env = worker_env()
     if env is None or (env.rank == 0 and not launched_by_moegraph()):
@@ -169,7 +169,7 @@ def _warn(message: str) -> None:
 def _resolve(profile: Optional[str], checkpoint: Optional[str], overrides: list[str]):
     """runspec.resolve, with its warnings (a profile that disagrees with the checkpoint's
     config.json) on stderr."""
-    from .runspec import resolve
+    from .train.runspec import resolve
 
     spec = resolve(profile, checkpoint, overrides)
     for message in spec.warnings:
@@ -207,8 +207,8 @@ def command(fn):
 def _distribute(spec, nproc: Optional[int], ep: int) -> None:
     """In the launching process: check --nproc/--ep against the model, then start the ranks
     (this process waits and exits with the job's code). Inside a rank: nothing."""
-    from .dist.launch import maybe_launch, worker_env
-    from .dist.layout import check_parallelism
+    from .distributed.launch import maybe_launch, worker_env
+    from .distributed.layout import check_parallelism
 
     if worker_env() is None:
         if nproc is not None and nproc < 1:
@@ -255,7 +255,7 @@ def init(
     Tensors are generated and written one at a time (a progress bar on stderr), after a check
     of free disk space; on failure the files written are removed.
     """
-    from .create import create_checkpoint
+    from .commands.create import create_checkpoint
     from .units import parse_bytes
 
     max_shard_bytes = parse_bytes(max_shard_size, "--max-shard-size")
@@ -277,14 +277,14 @@ def inspect(
     json_out: JsonOpt = False,
 ):
     """Architecture, parameter counts, per-layer shapes and static memory."""
-    from .summary import summarize
+    from .report.summary import summarize
 
     if checkpoint_dir and checkpoint and checkpoint_dir != checkpoint:
         raise UsageError(f"give the checkpoint once: DIR {checkpoint_dir} and --checkpoint "
                          f"{checkpoint} differ")
     spec = _resolve(profile, checkpoint or checkpoint_dir, _overrides(set_))
     if spec.checkpoint is not None:
-        from .checkpoint import plan_load
+        from .io.checkpoint import plan_load
         plan_load(spec.checkpoint, spec.profile.model)  # headers checked, nothing large read
     render.inspect_result(summarize(spec.profile, spec.source), json_out)
 
@@ -322,7 +322,7 @@ def plan(
     json_out: JsonOpt = False,
 ):
     """Choose, per layer, which scopes to capture and which graphs share a pool, under a budget."""
-    from .outputs import check_output_file
+    from .io.outputs import check_output_file
     from .plan.planner import plan_command
 
     check_output_file(out, "--out", mkdir)
@@ -354,8 +354,8 @@ def capture(
     json_out: JsonOpt = False,
 ):
     """Eager warm-up, capture attn/moe fwd+bwd graphs, replay; eager vs graph table."""
-    from .capture import capture_command
-    from .dist.context import command_runtime
+    from .commands.capture import capture_command
+    from .distributed.context import command_runtime
 
     spec = _resolve(profile, checkpoint, _overrides(set_, scopes, pool))
     _distribute(spec, nproc, ep)
@@ -388,9 +388,9 @@ def profile(
     json_out: JsonOpt = False,
 ):
     """Per-scope eager vs replay ms, kernels per step, MFU and an NVML memory timeline."""
-    from .dist.context import command_runtime
-    from .outputs import check_output_file
-    from .profile import profile_command
+    from .distributed.context import command_runtime
+    from .io.outputs import check_output_file
+    from .commands.profile import profile_command
 
     for flag, path in (("--out", out), ("--plot", plot), ("--calibrate", calibrate)):
         check_output_file(path, flag, mkdir)
@@ -425,8 +425,8 @@ def verify(
     json_out: JsonOpt = False,
 ):
     """Same batches, eager vs graph: losses bitwise equal at lr 0; gradients compared."""
-    from .dist.context import command_runtime
-    from .verify import verify_command
+    from .distributed.context import command_runtime
+    from .commands.verify import verify_command
 
     spec = _resolve(profile, checkpoint, _overrides(set_, scopes, pool))
     _distribute(spec, nproc, ep)

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .documents import (at, is_int, is_number, kind_of, parse_json, parse_yaml,
-                        read_text, show)
+from .io.documents import at, is_int, is_number, kind_of, parse_json, parse_yaml, read_text, show
 from .errors import UsageError
 
 DEFAULT_PROFILE = "tiny-qwen3-moe"

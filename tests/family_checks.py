@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 
 from moegraph_cli import models
-from moegraph_cli.checkpoint import save_checkpoint
+from moegraph_cli.io.checkpoint import save_checkpoint
 from moegraph_cli.graphs import GraphSession
 from moegraph_cli.graphs.backend import EmulatedGraphs
-from moegraph_cli.harness import GraphTrainer, scope_specs
-from moegraph_cli.train import batches
+from moegraph_cli.train.harness import GraphTrainer, scope_specs
+from moegraph_cli.train.trainer import batches
 
 from cli_util import run_cli
 

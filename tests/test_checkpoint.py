@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import moegraph_cli.checkpoint as ckpt
-from moegraph_cli.checkpoint import (INDEX_FILE, SINGLE_FILE, Slot, hf_to_moegraph_names,
-                                     load_state_dict, moegraph_shapes, plan_load, save_checkpoint)
+import moegraph_cli.io.checkpoint as ckpt
+from moegraph_cli.io.checkpoint import (INDEX_FILE, SINGLE_FILE, Slot, hf_to_moegraph_names,
+                                        load_state_dict, moegraph_shapes, plan_load,
+                                        save_checkpoint)
 from moegraph_cli.config import ModelConfig, read_hf_config
 from moegraph_cli.errors import CheckpointError
 

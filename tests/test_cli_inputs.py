@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from cli_util import run_cli
 from moegraph_cli.plan.memory import run_key
-from moegraph_cli.runspec import resolve
+from moegraph_cli.train.runspec import resolve
 
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",
         "model.num_key_value_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16",

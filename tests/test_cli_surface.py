@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from cli_util import run_cli
-from moegraph_cli import create as create_mod
-from moegraph_cli.checkpoint import load_state_dict, save_checkpoint
+from moegraph_cli.commands import create as create_mod
+from moegraph_cli.io.checkpoint import load_state_dict, save_checkpoint
 from moegraph_cli.config import profile_names
-from moegraph_cli.create import create_checkpoint
+from moegraph_cli.commands.create import create_checkpoint
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.outputs import file_mode, write_atomically
-from moegraph_cli.runspec import resolve
+from moegraph_cli.io.outputs import file_mode, write_atomically
+from moegraph_cli.train.runspec import resolve
 from moegraph_cli.units import fmt_bytes, parse_bytes
 
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",
@@ -216,7 +216,7 @@ def test_streamed_init_is_bitwise_from_config(tmp_path, dtype, monkeypatch):
 def test_streamed_file_is_what_safetensors_writes(tmp_path):
     from safetensors.torch import save_file
 
-    from moegraph_cli.checkpoint import _write_safetensors
+    from moegraph_cli.io.checkpoint import _write_safetensors
 
     tensors = {"b.w": torch.randn(3, 5), "a.x": torch.randn(7), "a.10": torch.randn(2, 2),
                "a.9": torch.zeros(0, 4)}

@@ -3,7 +3,7 @@
 import pytest
 
 from cli_util import run_cli
-from moegraph_cli.capability import check_capturable
+from moegraph_cli.plan.capability import check_capturable
 from moegraph_cli.config import load_profile
 from moegraph_cli.errors import NotCapturableError
 

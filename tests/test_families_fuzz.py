@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from cli_util import run_cli
 from test_loaders_fuzz import FUZZ, document_bytes, fresh, refuses_cleanly
 from moegraph_cli import models
-from moegraph_cli.checkpoint import INDEX_FILE, SINGLE_FILE, hf_to_moegraph_names
+from moegraph_cli.io.checkpoint import INDEX_FILE, SINGLE_FILE, hf_to_moegraph_names
 from moegraph_cli.config import read_hf_config
 from moegraph_cli.errors import CheckpointError, MoegraphError, UsageError
 
@@ -377,7 +377,7 @@ def test_mxfp4_nan_scale_is_refused_when_read(bases, tmp_path):
     _edit_tensors(d, lambda t: t[S].view(-1)[5:7].fill_(255))
     refused(d, CheckpointError, 1, [f"checkpoint: tensor {S} in model.safetensors holds the "
                                     "E8M0 NaN scale 255"], commands=("verify",))
-    from moegraph_cli.checkpoint_local import load_local_
+    from moegraph_cli.io.checkpoint_local import load_local_
 
     cfg = read_hf_config(d)
     with pytest.raises(CheckpointError, match="E8M0 NaN scale 255"):  # the sharded loader too

@@ -11,7 +11,7 @@ import torch
 
 from moegraph_cli import grads
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.train import allocate_grads, batches
+from moegraph_cli.train.trainer import allocate_grads, batches
 
 SMALL = ["model.vocab_size=96", "model.hidden_size=32", "model.num_attention_heads=4",
          "model.num_key_value_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16",

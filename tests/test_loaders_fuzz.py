@@ -24,8 +24,8 @@ from moegraph_cli.plan.calibration import load_calibration
 from moegraph_cli.plan.memory import run_key
 from moegraph_cli.plan.planfile import load_plan
 from moegraph_cli.plan.planner import load_savings, plan_command
-from moegraph_cli.runspec import resolve
-from moegraph_cli.train import check_token_file
+from moegraph_cli.train.runspec import resolve
+from moegraph_cli.train.trainer import check_token_file
 
 # MOEGRAPH_FUZZ_EXAMPLES=5000 searches harder; the default keeps the file under ~20 s.
 FUZZ = settings(max_examples=int(os.environ.get("MOEGRAPH_FUZZ_EXAMPLES", 60)), deadline=None,

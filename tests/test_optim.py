@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from moegraph_cli.optim import ALIGN, FlatAdamW
+from moegraph_cli.train.optim import ALIGN, FlatAdamW
 from moegraph_kernels.adamw import adamw_step, bias_correction_, interpreting
 
 SHAPES = [(1,), (7,), (33,), (1000,), (20, 13), (4, 1, 9)]

@@ -13,12 +13,12 @@ import yaml
 from cli_util import run_cli
 
 from moegraph_cli.errors import MoegraphError, UsageError
-from moegraph_cli.nvml import NvmlSampler
+from moegraph_cli.report.nvml import NvmlSampler
 from moegraph_cli.plan.calibration import load_calibration, lookup, write_entry
 from moegraph_cli.plan.memory import run_key
 from moegraph_cli.plan.planner import load_savings, plan_command
-from moegraph_cli.profile import write_savings
-from moegraph_cli.runspec import resolve
+from moegraph_cli.commands.profile import write_savings
+from moegraph_cli.train.runspec import resolve
 
 MiB = 2**20
 
@@ -93,7 +93,7 @@ def test_nvml_sampler_degrades_without_nvml(monkeypatch):
 def test_plot_without_matplotlib_is_one_clear_line(monkeypatch):
     import importlib.util
 
-    from moegraph_cli import plot
+    from moegraph_cli.report import plot
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real(name, *a))
@@ -118,7 +118,7 @@ def _fake_result():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from moegraph_cli.plot import profile_plot
+    from moegraph_cli.report.plot import profile_plot
     timeline = {"t_s": [i * 0.05 for i in range(100)],
                 "used_bytes": [(18 + (i > 50) * 3) * 2**30 for i in range(100)],
                 "util_pct": [90] * 100,

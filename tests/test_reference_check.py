@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.reference_check import logits_parity
+from moegraph_cli.commands.reference_check import logits_parity
 
 pytest.importorskip("transformers")
 
@@ -28,7 +28,7 @@ def test_parity_is_checked_in_fp32(dtype, profile):
 def test_a_wrong_weight_is_caught():
     model = MoeCausalLM.from_profile("tiny-qwen3-moe", dtype=torch.float32, overrides=SMALL)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    from moegraph_cli import reference_check
+    from moegraph_cli.commands import reference_check
 
     real = reference_check.fp32_reference_copy
 
@@ -56,7 +56,7 @@ def test_parity_reports_router_margins():
 
 def test_an_exact_router_tie_is_found_at_the_first_position():
     """Every router row equal: every token's k-th and (k+1)-th scores tie in every layer."""
-    from moegraph_cli.reference_check import logits_and_margins
+    from moegraph_cli.commands.reference_check import logits_and_margins
 
     model = MoeCausalLM.from_profile("tiny-qwen3-moe", dtype=torch.float32, overrides=SMALL)
     with torch.no_grad():
@@ -71,7 +71,7 @@ def test_an_exact_router_tie_is_found_at_the_first_position():
 
 
 def test_explain_gap_compares_the_prefix_before_the_first_tie():
-    from moegraph_cli.reference_check import explain_gap
+    from moegraph_cli.commands.reference_check import explain_gap
 
     gap = torch.tensor([[1e-6, 2e-6, 5e-2, 3e-2], [1e-6, 3e-6, 1e-6, 4e-6]])
     margin = torch.tensor([[0.3, 0.2, 1e-7, 0.5], [0.1, 0.2, 0.3, float("inf")]])
@@ -89,7 +89,7 @@ def test_verify_renders_the_near_tie_line_only_when_there_is_one(monkeypatch):
 
     from rich.console import Console
 
-    from moegraph_cli import render
+    from moegraph_cli.report import render
 
     def shown(ref):
         buf = io.StringIO()

@@ -1,7 +1,7 @@
 import torch
 
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.train import batches, train
+from moegraph_cli.train.trainer import batches, train
 
 SMALL = ["model.vocab_size=256", "model.hidden_size=64", "model.num_attention_heads=4",
          "model.num_key_value_heads=2", "model.head_dim=16", "model.moe_intermediate_size=32"]

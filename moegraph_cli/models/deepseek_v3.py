@@ -20,7 +20,7 @@ with router="sigmoid_grouped" and an ungated shared expert; DenseMlpScope).
 
 from __future__ import annotations
 
-from ..documents import show
+from ..io.documents import show
 from ..errors import UsageError
 from .common.keys import dense_mlp_keys, expert_keys, model_keys
 from .registry import Family, one_spelling, require, require_ints, yarn_check, yarn_scaling

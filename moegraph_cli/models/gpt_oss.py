@@ -27,7 +27,7 @@ common.ffn (MoeScope with router="topk_softmax", expert biases, clamped SwiGLU).
 
 from __future__ import annotations
 
-from ..documents import show
+from ..io.documents import show
 from .common.keys import attention_keys, model_keys
 from .registry import Family, one_spelling, require, require_ints, yarn_check, yarn_scaling
 

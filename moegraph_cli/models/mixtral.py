@@ -9,7 +9,7 @@ Shared parts: common.attention (qk_norm=None, sliding window), common.ffn (MoeSc
 
 from __future__ import annotations
 
-from ..documents import show
+from ..io.documents import show
 from ..errors import UsageError
 from .common.keys import attention_keys, expert_keys, model_keys
 from .registry import Family, one_spelling, require

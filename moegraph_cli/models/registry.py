@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..documents import is_int, show
+from ..io.documents import is_int, show
 from ..errors import UsageError
 
 if TYPE_CHECKING:
@@ -145,8 +146,7 @@ def families() -> dict[str, Family]:
     """Every family in this package, by model_type (imported once)."""
     global _FAMILIES
     if _FAMILIES is None:
-        from . import __path__ as here
-
+        here = [str(Path(__file__).parent)]  # this package's folder, without importing it
         found = {}
         for info in sorted(pkgutil.iter_modules(here), key=lambda m: m.name):
             if info.ispkg or info.name == "registry":

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from ..documents import at, check_format, is_bytes, plain, read_document, show
+from ..io.documents import at, check_format, is_bytes, plain, read_document, show
 from ..errors import UsageError
 from .memory import check_key, describe_key, same_run
 
@@ -114,7 +114,7 @@ def write_entry(path: str | Path, entry: dict) -> None:
     entries = load_calibration(path) if path.is_file() else []
     entries = [e for e in entries if not same_run(e["key"], entry["key"])] + [entry]
     doc = {"moegraph_calibration": FORMAT, "entries": entries}
-    from ..outputs import write_text_atomically
+    from ..io.outputs import write_text_atomically
 
     text = json.dumps(doc, indent=2) + "\n" if path.suffix == ".json" else \
         yaml.safe_dump(doc, sort_keys=False)

@@ -70,9 +70,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from ..config import Profile
-from ..documents import at, is_int, is_number, show
+from ..io.documents import at, is_int, is_number, show
 from ..errors import UsageError
-from ..summary import DTYPE_BYTES, layer_shapes, rope_buffer_bytes, static_memory
+from ..report.summary import DTYPE_BYTES, layer_shapes, rope_buffer_bytes, static_memory
 
 if TYPE_CHECKING:
     from .parallel import FsdpLayout, Parallel

@@ -38,9 +38,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..checkpoint import moegraph_shapes
+from ..io.checkpoint import moegraph_shapes
 from ..config import Profile
-from ..summary import DTYPE_BYTES, layer_shapes
+from ..report.summary import DTYPE_BYTES, layer_shapes
 from .memory import (ScopeMemory, _first_moe_layer, _param_bytes, expert_slots, loss_moments,
                      rms_saved, route_block, shared_expert_memory)
 

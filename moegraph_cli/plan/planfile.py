@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from ..config import Profile
-from ..documents import at, check_format, is_bytes, is_int, plain, read_document, show
+from ..io.documents import at, check_format, is_bytes, is_int, plain, read_document, show
 from ..errors import UsageError
 from .memory import (STRATEGIES, check_key, describe_key, describe_ranks, ranks_of, run_key,
                      same_run)
@@ -67,7 +67,7 @@ class Plan:
 
 def write_plan(path: str | Path, plan: Plan) -> None:
     """Atomically (outputs.py): a reader never sees half a plan."""
-    from ..outputs import write_text_atomically
+    from ..io.outputs import write_text_atomically
 
     write_text_atomically(path, yaml.safe_dump(plan.to_dict(), sort_keys=False, width=100))
 

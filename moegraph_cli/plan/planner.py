@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from ..capability import check_capturable, check_whole_step
-from ..documents import at, check_format, is_number, read_document, show
+from .capability import check_capturable, check_whole_step
+from ..io.documents import at, check_format, is_number, read_document, show
 from ..errors import MoegraphError, NotCapturableError, UsageError
-from ..runspec import RunSpec
+from ..train.runspec import RunSpec
 from ..units import fmt_bytes, parse_bytes
 from .calibration import lookup
 from .memory import (FRAGMENTATION, KIND_OF_SCOPE, STRATEGIES, Prediction, ScopeRef, StepModel,
@@ -194,7 +194,7 @@ def left_out(model: StepModel, best: Choice, budget: int, scopes: list[str], str
 
 def check_ranks(nproc: int | None, ep: int, num_experts: int) -> Parallel:
     """--nproc / --ep of `plan` (the run it predicts one rank of); exit 2 when invalid."""
-    from ..dist.layout import check_parallelism
+    from ..distributed.layout import check_parallelism
 
     world = 1 if nproc is None else nproc
     if world < 1:
@@ -215,7 +215,7 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
     static memory and every prediction are per rank."""
     prof = spec.profile
     if spec.checkpoint is not None:
-        from ..checkpoint import plan_load
+        from ..io.checkpoint import plan_load
         plan_load(spec.checkpoint, prof.model)  # names, shapes, dtypes, sizes: headers only
     parallel = check_ranks(nproc, ep, prof.model.num_experts)
     if calibration is not None and not parallel.single:

@@ -12,8 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from moegraph_cli.dist.launch import report_error, worker_env
-from moegraph_cli.dist.watchdog import Watchdog
+from moegraph_cli.distributed.launch import report_error, worker_env
+from moegraph_cli.distributed.watchdog import Watchdog
 
 
 def run(mode: str, arg: str | None) -> int:

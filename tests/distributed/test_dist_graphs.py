@@ -18,17 +18,17 @@ SMALL = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_he
 
 
 def _setup(rank, world, ep, extra=()):
-    from moegraph_cli.dist.runtime import setup
-    from moegraph_cli.runspec import resolve
+    from moegraph_cli.distributed.runtime import setup
+    from moegraph_cli.train.runspec import resolve
 
     spec = resolve("tiny-qwen3-moe", None, SMALL + list(extra))
     return spec, setup(ep, spec.profile.model.num_experts, "cpu", 60)
 
 
 def _graphed(spec, rt, lr=0.0):
-    from moegraph_cli.harness import build_session, capture_into, make_trainer
-    from moegraph_cli.runspec import build_model
-    from moegraph_cli.train import batches
+    from moegraph_cli.train.harness import build_session, capture_into, make_trainer
+    from moegraph_cli.train.runspec import build_model
+    from moegraph_cli.train.trainer import batches
 
     model = build_model(spec, rt.device, rt=rt)
     trainer = make_trainer(model, lr, 0.0, rt)
@@ -44,9 +44,9 @@ def _local(t):
 
 
 def _bitwise(rank, world, ep, extra):
-    from moegraph_cli.harness import make_trainer
-    from moegraph_cli.runspec import build_model
-    from moegraph_cli.train import batches
+    from moegraph_cli.train.harness import make_trainer
+    from moegraph_cli.train.runspec import build_model
+    from moegraph_cli.train.trainer import batches
 
     spec, rt = _setup(rank, world, ep, extra)
     eager = build_model(spec, rt.device, rt=rt)
@@ -74,7 +74,7 @@ def test_graph_matches_eager_bitwise_capacity_dp_replicas():
 
 
 def _one_rank_violation(rank, world, ep):
-    from moegraph_cli.train import batches
+    from moegraph_cli.train.trainer import batches
 
     spec, rt = _setup(rank, world, ep)
     model, trainer, session = _graphed(spec, rt)
@@ -101,9 +101,9 @@ def test_contract_violation_on_one_rank_falls_back_on_all():
 
 
 def _capture_fails_on_one_rank(rank, world, ep):
-    from moegraph_cli.harness import build_session, capture_into, make_trainer
-    from moegraph_cli.runspec import build_model
-    from moegraph_cli.train import batches
+    from moegraph_cli.train.harness import build_session, capture_into, make_trainer
+    from moegraph_cli.train.runspec import build_model
+    from moegraph_cli.train.trainer import batches
 
     spec, rt = _setup(rank, world, ep)
     model = build_model(spec, rt.device, rt=rt)

@@ -14,16 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import moegraph_cli.dist.launch as launch_mod
-from moegraph_cli.dist.launch import (
-    WorkerEnv,
-    argv_without_nproc,
-    is_rank0,
-    launched_by_moegraph,
-    maybe_launch,
-    report_error,
-    worker_env,
-)
+import moegraph_cli.distributed.launch as launch_mod
+from moegraph_cli.distributed.launch import (WorkerEnv, argv_without_nproc, is_rank0,
+                                             launched_by_moegraph, maybe_launch, report_error,
+                                             worker_env)
 from moegraph_cli.errors import UsageError
 
 pytest.importorskip("torch.distributed.run")
@@ -42,7 +36,7 @@ def _env() -> dict:
 
 
 def _launch_cmd(mode_argv: list[str], timeout_s: float = 60) -> list[str]:
-    code = ("from moegraph_cli.dist.launch import launch; import sys; "
+    code = ("from moegraph_cli.distributed.launch import launch; import sys; "
             f"sys.exit(launch({mode_argv!r}, 2, module='launch_target', timeout_s={timeout_s}))")
     return [sys.executable, "-c", code]
 
@@ -213,7 +207,7 @@ def test_maybe_launch_stays_in_process_or_validates(monkeypatch):
 
 
 def _watchdog_run(body: str) -> subprocess.CompletedProcess:
-    code = "import time\nfrom moegraph_cli.dist.watchdog import Watchdog\n" + body
+    code = "import time\nfrom moegraph_cli.distributed.watchdog import Watchdog\n" + body
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=REPO, env=_env())
 

@@ -10,7 +10,7 @@ import torch
 
 from moegraph_cli import grads
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.train import allocate_grads, batches
+from moegraph_cli.train.trainer import allocate_grads, batches
 from moegraph_kernels.embedding_backward import embedding_backward_into
 
 pytestmark = pytest.mark.cuda

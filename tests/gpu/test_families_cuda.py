@@ -3,9 +3,9 @@ experts, dropless and capacity; capture with no fallback; logits parity with tra
 
 import pytest
 
-from moegraph_cli.capture import capture_command
-from moegraph_cli.runspec import resolve
-from moegraph_cli.verify import verify_command
+from moegraph_cli.commands.capture import capture_command
+from moegraph_cli.train.runspec import resolve
+from moegraph_cli.commands.verify import verify_command
 
 pytestmark = pytest.mark.cuda
 

@@ -9,7 +9,7 @@ import pytest
 
 from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.models.common import fused
-from moegraph_cli.train import batches
+from moegraph_cli.train.trainer import batches
 
 pytestmark = pytest.mark.cuda
 

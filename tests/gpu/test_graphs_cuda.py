@@ -4,13 +4,13 @@ OOM rollback, verify --lr0 bitwise in dropless and capacity modes."""
 import pytest
 import torch
 
-from moegraph_cli.capture import capture_command
+from moegraph_cli.commands.capture import capture_command
 from moegraph_cli.graphs import GraphSession
-from moegraph_cli.harness import GraphTrainer, capture_into, peaks, reset_peaks, scope_specs
+from moegraph_cli.train.harness import GraphTrainer, capture_into, peaks, reset_peaks, scope_specs
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.runspec import resolve
-from moegraph_cli.train import batches
-from moegraph_cli.verify import verify_command
+from moegraph_cli.train.runspec import resolve
+from moegraph_cli.train.trainer import batches
+from moegraph_cli.commands.verify import verify_command
 
 pytestmark = pytest.mark.cuda
 

@@ -15,7 +15,7 @@ import pytest
 from cli_util import run_cli
 
 from moegraph_cli.plan.planner import load_savings, plan_command
-from moegraph_cli.runspec import resolve
+from moegraph_cli.train.runspec import resolve
 
 pytestmark = pytest.mark.cuda
 REPO = Path(__file__).resolve().parents[2]
@@ -32,8 +32,8 @@ def test_calibrated_plan_predicts_shared_capture_peak(tmp_path):
     cal, plan = tmp_path / "cal.yaml", tmp_path / "plan.yaml"
     _in_subprocess(
         "import json, torch\n"
-        "from moegraph_cli.runspec import resolve\n"
-        "from moegraph_cli.profile import calibrate_run\n"
+        "from moegraph_cli.train.runspec import resolve\n"
+        "from moegraph_cli.commands.profile import calibrate_run\n"
         "from moegraph_cli.plan.calibration import write_entry\n"
         f"write_entry({str(cal)!r}, calibrate_run(resolve('tiny-qwen3-moe'), "
         "torch.device('cuda')))\n"
@@ -45,8 +45,8 @@ def test_calibrated_plan_predicts_shared_capture_peak(tmp_path):
     assert all(layer["scopes"] == ["attn", "moe"] for layer in r["layers"])
     m = _in_subprocess(
         "import json\n"
-        "from moegraph_cli.runspec import resolve\n"
-        "from moegraph_cli.profile import steady_peaks\n"
+        "from moegraph_cli.train.runspec import resolve\n"
+        "from moegraph_cli.commands.profile import steady_peaks\n"
         f"print(json.dumps(steady_peaks(resolve('tiny-qwen3-moe'), {str(plan)!r})))\n")
     assert m["captured_ok"] and m["counters"]["fallback"] == 0
     measured = m["graph"]["peak_reserved"]
@@ -64,8 +64,8 @@ def test_per_entry_costs_more_than_shared_as_predicted(tmp_path):
         r = plan_command(spec, budget="64GiB", pool=pool, out=str(plan))
         m = _in_subprocess(
             "import json\n"
-            "from moegraph_cli.runspec import resolve\n"
-            "from moegraph_cli.profile import steady_peaks\n"
+            "from moegraph_cli.train.runspec import resolve\n"
+            "from moegraph_cli.commands.profile import steady_peaks\n"
             f"print(json.dumps(steady_peaks(resolve('tiny-qwen3-moe'), {str(plan)!r})))\n")
         assert m["captured_ok"], m["failure"]
         measured_pools = sum(p["bytes"] for p in m["pools"])

@@ -4,9 +4,9 @@ parameters after the Triton AdamW), with grad accumulation too; the step pool is
 import pytest
 import torch
 
-from moegraph_cli.harness import GraphTrainer, capture_into, step_graph
+from moegraph_cli.train.harness import GraphTrainer, capture_into, step_graph
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.train import batches
+from moegraph_cli.train.trainer import batches
 
 pytestmark = pytest.mark.cuda
 

@@ -6,9 +6,9 @@ import torch
 
 from moegraph_cli.graphs import GraphSession
 from moegraph_cli.graphs.backend import EmulatedGraphs
-from moegraph_cli.harness import GraphTrainer, scope_specs
+from moegraph_cli.train.harness import GraphTrainer, scope_specs
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.train import batches
+from moegraph_cli.train.trainer import batches
 
 SMALL = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",
          "model.num_key_value_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16",

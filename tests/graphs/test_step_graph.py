@@ -9,9 +9,9 @@ import torch
 from moegraph_cli.errors import NotCapturableError
 from moegraph_cli.graphs import GraphSession
 from moegraph_cli.graphs.backend import EmulatedGraphs
-from moegraph_cli.harness import GraphTrainer, capture_into, scope_specs, step_graph
+from moegraph_cli.train.harness import GraphTrainer, capture_into, scope_specs, step_graph
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.train import batches
+from moegraph_cli.train.trainer import batches
 
 from test_session_emulated import SMALL as SMALL3  # noqa: E402 - tests/graphs is on sys.path
 

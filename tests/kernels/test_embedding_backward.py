@@ -14,7 +14,7 @@ from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.models.common import embedding as embedding_mod
 from moegraph_cli.models.common.embedding import embedding
 from moegraph_cli.models.common.linear import linear
-from moegraph_cli.train import allocate_grads, batches
+from moegraph_cli.train.trainer import allocate_grads, batches
 from moegraph_kernels import embedding_backward as kernel_mod
 from moegraph_kernels.embedding_backward import embedding_backward_into, embedding_backward_ref
 

@@ -132,7 +132,7 @@ def test_bias_update_rule_on_the_device():
     """moe.bias_update_rate: after each step bias += rate * sign(mean load - load), the load
     counted from that step's routes; off by default."""
     from moegraph_cli import models
-    from moegraph_cli.train import Trainer, batches
+    from moegraph_cli.train.trainer import Trainer, batches
 
     overrides = [*SMALL, *TINY]
     off = models.from_profile("tiny-deepseek-v3", dtype=torch.float32, overrides=overrides)
@@ -247,7 +247,7 @@ def test_router_bias_stays_fp32_in_a_bf16_model(tmp_path):
     """The bias and the load count are fp32 in a bf16 model (a 1e-3 step survives where bf16
     would round it away); the state dict, and so the checkpoint, holds the model's dtype."""
     from moegraph_cli import models
-    from moegraph_cli.checkpoint import save_checkpoint
+    from moegraph_cli.io.checkpoint import save_checkpoint
 
     model = models.from_profile("tiny-deepseek-v3", dtype="bfloat16",
                                 overrides=[*SMALL, *TINY, "run.dtype=bfloat16",
@@ -278,8 +278,8 @@ def test_bias_update_with_graphs_matches_eager():
     from moegraph_cli import models
     from moegraph_cli.graphs import GraphSession
     from moegraph_cli.graphs.backend import EmulatedGraphs
-    from moegraph_cli.harness import GraphTrainer, dropped_routes, scope_specs
-    from moegraph_cli.train import batches
+    from moegraph_cli.train.harness import GraphTrainer, dropped_routes, scope_specs
+    from moegraph_cli.train.trainer import batches
 
     def build():
         return models.from_profile("tiny-deepseek-v3", dtype=torch.float32,

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from family_checks import check_emulated_lr0, check_hf_checkpoint, check_init_checkpoint
 from cli_util import run_cli
 from moegraph_cli import models
-from moegraph_cli.checkpoint import hf_to_moegraph_names, save_checkpoint, to_moegraph_layout
-from moegraph_cli.documents import show
+from moegraph_cli.io.checkpoint import hf_to_moegraph_names, save_checkpoint, to_moegraph_layout
+from moegraph_cli.io.documents import show
 from moegraph_cli.errors import UsageError
 
 transformers = pytest.importorskip("transformers")
@@ -255,7 +255,7 @@ def test_inspect_shapes_and_refusals():
 def test_local_loader_reads_layouts_and_mxfp4_as_the_full_loader(tmp_path):
     """checkpoint_local (the sharded loader) de-interleaves, transposes and dequantises the
     same way, also for a slice of the experts (expert parallelism)."""
-    from moegraph_cli.checkpoint_local import load_local_
+    from moegraph_cli.io.checkpoint_local import load_local_
 
     path, _, _ = _mxfp4_checkpoint(tmp_path)
     full = models.from_pretrained(path, dtype=torch.float32)

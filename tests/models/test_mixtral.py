@@ -72,7 +72,7 @@ def test_sliding_window_attention_flops():
     import dataclasses
 
     from moegraph_cli.config import load_profile
-    from moegraph_cli.flops import step_flops
+    from moegraph_cli.report.flops import step_flops
 
     cfg = load_profile("tiny-mixtral").model
     full = step_flops(cfg, 1, 512)

@@ -25,8 +25,8 @@ from moegraph_cli.plan.memory import (FRAGMENTATION, STRATEGIES, rms_saved, run_
 from moegraph_cli.plan.parallel import Parallel, moe_memory_ep, shard_numel, static_per_rank
 from moegraph_cli.plan.planfile import load_plan
 from moegraph_cli.plan.planner import plan_command
-from moegraph_cli.runspec import resolve
-from moegraph_cli.summary import static_memory
+from moegraph_cli.train.runspec import resolve
+from moegraph_cli.report.summary import static_memory
 
 GiB = 2**30
 QWEN = "qwen3-30b-a3b"
@@ -97,7 +97,7 @@ def test_uneven_shards_plan_for_rank_0():
 def _rank_checks(rank, world):
     from sharded_util import expert_ranges, fsdp_model, tiny_cfg
 
-    from moegraph_cli.dist.model import is_sharded
+    from moegraph_cli.distributed.model import is_sharded
 
     # 1. FSDP2's padded shard storage on this rank = the plan's rank-0 dense shard
     cfg = tiny_cfg()

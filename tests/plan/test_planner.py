@@ -18,7 +18,7 @@ from moegraph_cli.errors import MoegraphError, UsageError
 from moegraph_cli.plan.memory import STRATEGIES, run_key, step_model
 from moegraph_cli.plan.planfile import load_plan
 from moegraph_cli.plan.planner import Savings, choose, estimated_savings, plan_command
-from moegraph_cli.runspec import resolve
+from moegraph_cli.train.runspec import resolve
 
 MiB = 2**20
 
@@ -237,7 +237,7 @@ def test_cli_plan_writes_file(tmp_path):
 def test_plan_step_prices_the_whole_step_and_refuses_what_does_not_fit():
     from moegraph_cli.errors import NotCapturableError
     from moegraph_cli.plan.planner import plan_command
-    from moegraph_cli.runspec import resolve
+    from moegraph_cli.train.runspec import resolve
 
     spec = resolve("qwen3-30b-a3b-4layer", None, ["run.scopes=[step]"])
     result = plan_command(spec, budget="130GiB")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import DEFAULT_PROFILE, ModelConfig, MoeConfig, load_profile, read_hf_config
-from ...loss import causal_shift, linear_cross_entropy
+from ...train.loss import causal_shift, linear_cross_entropy
 from ...moe.routing import aux_loss_from_stats
 from .embedding import embedding
 from .linear import linear
@@ -115,7 +115,7 @@ class MoeCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
                         device="cpu", moe: MoeConfig | None = None) -> "MoeCausalLM":
-        from ...checkpoint import load_state_dict
+        from ...io.checkpoint import load_state_dict
 
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         cfg = read_hf_config(path)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .capability import check_capturable, check_whole_step
-from .errors import UsageError
-from .runspec import RunSpec
+from ..plan.capability import check_capturable, check_whole_step
+from ..errors import UsageError
+from ..train.runspec import RunSpec
 
 
 @dataclass
@@ -30,11 +30,11 @@ def check_inputs(spec: RunSpec, plan_file: str | None = None, memory_limit: str 
         raise UsageError(f"--warmup must be >= 0, got {warmup}")
     limit = None
     if memory_limit is not None:
-        from .units import parse_bytes
+        from ..units import parse_bytes
         limit = parse_bytes(memory_limit, "--memory-limit")
     plan = None
     if plan_file is not None:
-        from .plan.planfile import load_plan
+        from ..plan.planfile import load_plan
         plan = load_plan(plan_file, prof, world, ep)
     if world > 1 and run.grad_accum > 1:
         raise UsageError("run.grad_accum > 1 runs in one process only for now; on several "
@@ -42,7 +42,7 @@ def check_inputs(spec: RunSpec, plan_file: str | None = None, memory_limit: str 
     if "step" in run.scopes:
         check_whole_step(world)
     if run.data:
-        from .train import check_token_file
+        from ..train.trainer import check_token_file
         check_token_file(run.data, prof.model.vocab_size,
                          run.batch * run.grad_accum * world * run.seq_len)
     check_capturable(prof, None if plan is not None else run.pool)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from .errors import MoegraphError
-from .outputs import write_atomically
+from ..errors import MoegraphError
+from ..io.outputs import write_atomically
 
 GIB = 2**30
 PHASE_COLOURS = {"eager": "#dbe9f6", "capture": "#eeeeee", "graph": "#dcf0dc",

@@ -3,8 +3,8 @@ static memory of a training step (weights, grads, AdamW states)."""
 
 from __future__ import annotations
 
-from .checkpoint import moegraph_shapes
-from .config import ModelConfig, Profile
+from ..io.checkpoint import moegraph_shapes
+from ..config import ModelConfig, Profile
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 

@@ -15,17 +15,21 @@ materialised (seeded, or read from a checkpoint slice by slice).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint_local import load_local_
+from ..io.checkpoint_local import load_local_
 from ..config import read_hf_config
 from ..models import DTYPES, MoeCausalLM
 from ..models.common.init import is_expert_stack, seeded_init_
-from ..runspec import RunSpec
 from .runtime import Runtime
+
+if TYPE_CHECKING:
+    from ..train.runspec import RunSpec
 
 
 def expert_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import DEFAULT_PROFILE, Profile, load_profile, profile_from_model, read_hf_config
-from .errors import NotCapturableError, UsageError
+from ..config import DEFAULT_PROFILE, Profile, load_profile, profile_from_model, read_hf_config
+from ..errors import NotCapturableError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -75,9 +75,9 @@ def pick_device(name: str = "auto", need_cuda: bool = False) -> torch.device:
 def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt=None):
     """The model of this process: whole, or (distributed, `rt`) this rank's shard."""
     if rt is not None:
-        from .dist.model import build_sharded_model
+        from ..distributed.model import build_sharded_model
         return build_sharded_model(spec, rt, seed)
-    from .models import MoeCausalLM
+    from ..models import MoeCausalLM
 
     prof = spec.profile
     if spec.checkpoint is not None:

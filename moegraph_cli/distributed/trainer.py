@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..harness import GraphTrainer
-from ..train import allocate_grads
+from ..train.trainer import GraphTrainer
+from ..train.trainer import allocate_grads
 from .model import expert_parameters, is_sharded
 from .runtime import Runtime
 

@@ -23,7 +23,7 @@ import tempfile
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 TOLERANCE = 1e-4
 NEAR_TIE = 1e-4  # router-score gap under which fp32 rounding may swap the k-th expert
@@ -35,7 +35,7 @@ def hf_model_from(model, dtype: torch.dtype = torch.float32):
     except ImportError:
         raise UsageError("--reference transformers needs transformers installed "
                          "(pip install 'moegraph[test]')") from None
-    from .checkpoint import save_checkpoint
+    from ..io.checkpoint import save_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
@@ -50,7 +50,7 @@ def hf_model_from(model, dtype: torch.dtype = torch.float32):
 
 def fp32_reference_copy(model):
     """An fp32 copy of `model` on its device, experts on the pure-torch path."""
-    from .models import MoeCausalLM
+    from ..models import MoeCausalLM
 
     moe = dataclasses.replace(model.moe_config, backend="reference")
     device = next(model.parameters()).device
@@ -78,7 +78,7 @@ def _selection_scores(scope, x: torch.Tensor) -> torch.Tensor:
 def logits_and_margins(model, input_ids: torch.Tensor):
     """The model's logits, and per token [B, S] the smallest gap over the MoE layers between
     the k-th and (k+1)-th router score (inf where no layer routes or k == E)."""
-    from .models.common.ffn import MoeScope
+    from ..models.common.ffn import MoeScope
 
     batch, seq = input_ids.shape
     margin = torch.full((batch, seq), float("inf"), device=input_ids.device)

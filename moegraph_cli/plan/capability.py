@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .config import Profile
-from .errors import NotCapturableError
+from ..config import Profile
+from ..errors import NotCapturableError
 
 
 def check_whole_step(world: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .summary import param_counts
 
 # Dense bf16 tensor-core peak by device name (datasheet, FLOP/s). MFU is reported only for

@@ -16,12 +16,15 @@ from __future__ import annotations
 import functools
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from . import grads
-from .errors import UsageError
+from .. import grads
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..graphs import GraphSession
 
 
 def synthetic_batch(vocab_size: int, batch: int, seq_len: int, seed: int, step: int,
@@ -194,7 +197,7 @@ class Trainer:
         loss = self.forward_backward(input_ids)
         self.optimizer.step()
         if self.bias_update:
-            from .models.common.ffn import update_router_bias_
+            from ..models.common.ffn import update_router_bias_
 
             update_router_bias_(self.model)
         return loss
@@ -213,3 +216,20 @@ def train(model: torch.nn.Module, batch_iter: Iterator[torch.Tensor], steps: int
         if on_step is not None:
             on_step(i, loss)
     return [float(x) for x in torch.stack(losses).cpu()]
+
+
+class GraphTrainer(Trainer):
+    """A Trainer whose micro-batches re-arm an installed graph session (one replay each)."""
+
+    def __init__(self, model, lr: float, weight_decay: float = 0.0, grad_accum: int = 1):
+        super().__init__(model, lr, weight_decay, grad_accum)
+        self.session: GraphSession | None = None
+
+    def before_forward(self) -> None:
+        if self.session is not None:
+            self.session.new_step()
+
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.session is not None and self.session.whole_step:
+            return self.session(input_ids)[0]
+        return super().step(input_ids)

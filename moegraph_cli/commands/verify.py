@@ -22,14 +22,14 @@ import gc
 
 import torch
 
-from .dist.context import place, ticker
-from .errors import NotCapturableError, UsageError
-from .harness import build_session, capture_into, device_info, make_trainer
+from ..distributed.context import place, ticker
+from ..errors import NotCapturableError, UsageError
+from ..train.harness import build_session, capture_into, device_info, make_trainer
 from .preflight import check_inputs
-from .render import Progress
-from .runspec import RunSpec, build_model, pick_device
-from .summary import static_memory
-from .train import Trainer, batches
+from ..report.render import Progress
+from ..train.runspec import RunSpec, build_model, pick_device
+from ..report.summary import static_memory
+from ..train.trainer import Trainer, batches
 
 REFERENCES = ("transformers", "single")
 
@@ -179,7 +179,7 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
 
 
 def _merge_distributed(spec, result, rt, lr, steps, tolerance, reference) -> dict | None:
-    from .dist.context import merge_ranks
+    from ..distributed.context import merge_ranks
 
     docs = rt.gather_all(result)
     gc.collect()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import UsageError, one_line
+from ..errors import UsageError, one_line
 
 _SHOW_CHARS = 60
 

@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from safetensors import SafetensorError, safe_open  # the Rust reader alone: no torch import
 
-from .config import ModelConfig
-from .models.common.keys import Slot
-from .errors import EXIT_USAGE, CheckpointError, UsageError
+from ..config import ModelConfig
+from ..models.common.keys import Slot
+from ..errors import EXIT_USAGE, CheckpointError, UsageError
 from .mxfp4 import BLOCKS, QUANT_METHOD, SCALES, packed_shapes
 from .outputs import write_atomically
 

@@ -11,11 +11,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from .capability import check_whole_step
-from .errors import NotCapturableError
-from .graphs import GraphSession, ScopeSpec
-from .graphs.step import StepGraph
-from .train import Trainer, split_micro
+from ..plan.capability import check_whole_step
+from ..errors import NotCapturableError
+from ..graphs import GraphSession, ScopeSpec
+from ..graphs.step import StepGraph
+from .trainer import GraphTrainer, Trainer, split_micro
 
 # A requested scope name -> the model scope kinds it covers (a dense layer's MLP sits where
 # the MoE block would, so `moe` covers it too).
@@ -45,8 +45,8 @@ def build_session(model, scopes: list[str], pool: str, plan=None, rt=None,
         return step_graph(trainer, rt)
     extra = {}
     if rt is not None:
-        from .dist.model import is_sharded
-        from .graphs.backend import CudaGraphs, EmulatedGraphs
+        from ..distributed.model import is_sharded
+        from ..graphs.backend import CudaGraphs, EmulatedGraphs
 
         backend = CudaGraphs("thread_local") if rt.device.type == "cuda" else EmulatedGraphs()
         extra = {"moving": lambda _name, p: is_sharded(p), "agree": rt.agree,
@@ -99,28 +99,13 @@ def capture_into(model, session, input_ids: torch.Tensor, rt=None, grad_accum: i
     return ok
 
 
-class GraphTrainer(Trainer):
-    """A Trainer whose micro-batches re-arm an installed graph session (one replay each)."""
-
-    def __init__(self, model, lr: float, weight_decay: float = 0.0, grad_accum: int = 1):
-        super().__init__(model, lr, weight_decay, grad_accum)
-        self.session: GraphSession | None = None
-
-    def before_forward(self) -> None:
-        if self.session is not None:
-            self.session.new_step()
-
-    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.session is not None and self.session.whole_step:
-            return self.session(input_ids)[0]
-        return super().step(input_ids)
 
 
 def make_trainer(model, lr: float, weight_decay: float = 0.0, rt=None,
                  grad_accum: int = 1) -> GraphTrainer:
     if rt is None:
         return GraphTrainer(model, lr, weight_decay, grad_accum)
-    from .dist.trainer import DistTrainer
+    from ..distributed.trainer import DistTrainer
     return DistTrainer(model, lr, weight_decay, rt)
 
 

@@ -26,19 +26,19 @@ from pathlib import Path
 
 import torch
 
-from .errors import NotCapturableError, UsageError
-from .flops import peak_flops, step_flops
-from .graphs.contract import module_state
-from .graphs.scope import _as_tuple
-from .harness import (attn_moe_phase, build_session, capture_into, device_info, make_trainer, peaks,
-                      reset_peaks, timed_steps)
-from .nvml import NvmlSampler
-from .plan.memory import run_key
-from .dist.context import place, ticker
+from ..errors import NotCapturableError, UsageError
+from ..report.flops import peak_flops, step_flops
+from ..graphs.contract import module_state
+from ..graphs.scope import _as_tuple
+from ..train.harness import (attn_moe_phase, build_session, capture_into, device_info, make_trainer,
+                             peaks, reset_peaks, timed_steps)
+from ..report.nvml import NvmlSampler
+from ..plan.memory import run_key
+from ..distributed.context import place, ticker
 from .preflight import check_inputs
-from .render import Progress
-from .runspec import RunSpec, build_model, pick_device
-from .train import Trainer, batches
+from ..report.render import Progress
+from ..train.runspec import RunSpec, build_model, pick_device
+from ..train.trainer import Trainer, batches
 
 # Host-side calls that start work on the GPU: one per eager kernel, one per graph replay.
 LAUNCH_APIS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -58,7 +58,7 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
     if rank != 0:
         plot = out = None
     if plot:
-        from .plot import require_matplotlib
+        from ..report.plot import require_matplotlib
         require_matplotlib()
     device = pick_device(run.device if rt is None else str(rt.device), need_cuda=True)
     warmup = max(1, run.warmup)
@@ -140,7 +140,7 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
         **device_info(),
     }
     if rt is not None:
-        from .dist.context import merge_ranks
+        from ..distributed.context import merge_ranks
         docs = rt.gather_all(json.loads(json.dumps(result, default=str)))
         if rank != 0:
             return None
@@ -152,10 +152,10 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
     if out:
         write_savings(out, result)
     if calibrate:
-        from .plan.calibration import write_entry
+        from ..plan.calibration import write_entry
         write_entry(calibrate, calibrate_run(spec, device))
     if plot:
-        from .plot import profile_plot
+        from ..report.plot import profile_plot
         profile_plot(plot, result, nv.timeline())
     return json.loads(json.dumps(result, default=str))
 
@@ -245,7 +245,7 @@ def write_savings(path: str, result: dict) -> None:
                      for k, rows in per_kind.items()},
         "eager_step_ms": result["eager_step_ms"], "graph_step_ms": result["graph_step_ms"],
     }
-    from .outputs import write_text_atomically
+    from ..io.outputs import write_text_atomically
 
     if Path(path).suffix == ".json":
         write_text_atomically(path, json.dumps(doc, indent=2) + "\n")
@@ -259,8 +259,8 @@ def calibrate_run(spec: RunSpec, device: torch.device) -> dict:
     """Measure a one-layer copy of the run's model (plan.memory.one_layer_profile): per scope
     its saved bytes, forward/backward peaks and private pools, then each pool strategy's pool
     bytes and one eager step's peak reserved. See plan/calibration.py for the file layout."""
-    from .models import MoeCausalLM
-    from .plan.memory import STRATEGIES, one_layer_profile
+    from ..models import MoeCausalLM
+    from ..plan.memory import STRATEGIES, one_layer_profile
 
     prof = spec.profile
     one = one_layer_profile(prof)

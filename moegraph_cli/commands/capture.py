@@ -10,15 +10,16 @@ import time
 
 import torch
 
-from .errors import MoegraphError
-from .flops import peak_flops, step_flops
-from .harness import (attn_moe_phase, build_session, capture_into, device_info, dropped_routes, make_trainer,
-                      peaks, reset_peaks, set_memory_limit, timed_steps)
-from .dist.context import place, ticker
+from ..errors import MoegraphError
+from ..report.flops import peak_flops, step_flops
+from ..train.harness import (attn_moe_phase, build_session, capture_into, device_info,
+                             dropped_routes, make_trainer, peaks, reset_peaks, set_memory_limit,
+                             timed_steps)
+from ..distributed.context import place, ticker
 from .preflight import check_inputs
-from .render import Progress
-from .runspec import RunSpec, build_model, pick_device
-from .train import batches
+from ..report.render import Progress
+from ..train.runspec import RunSpec, build_model, pick_device
+from ..train.trainer import batches
 
 
 def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None = None,
@@ -117,7 +118,7 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
                           "measured_peak_reserved": graph["peak_reserved"]}
     session.uninstall()
     if run.scopes == ["step"] and rt is None:
-        from .plan.memory import step_model
+        from ..plan.memory import step_model
         pred = step_model(prof).predict_step()
         for p in result["pools"]:
             p["predicted_bytes"] = pred.pool_bytes
@@ -130,7 +131,7 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         cmp["mfu"] = flops / (cmp["step_ms"] / 1e3) / peak if peak else None
     if rt is None:
         return result
-    from .dist.context import merge_ranks
+    from ..distributed.context import merge_ranks
     docs = rt.gather_all(result)
     if rt.rank != 0:
         return None

@@ -8,9 +8,9 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from .errors import one_line
+from ..errors import one_line
 from .summary import fold_layers
-from .units import fmt_bytes
+from ..units import fmt_bytes
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from .errors import UsageError
+from ..errors import UsageError
 
 _umask_lock = threading.Lock()
 

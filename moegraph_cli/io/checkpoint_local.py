@@ -17,9 +17,9 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import _config_summary, _shape_str, plan_load, read_tensor
-from .config import ModelConfig
-from .errors import CheckpointError
-from .models.common.init import is_expert_stack, owned_rows
+from ..config import ModelConfig
+from ..errors import CheckpointError
+from ..models.common.init import is_expert_stack, owned_rows
 
 
 @torch.no_grad()

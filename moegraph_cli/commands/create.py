@@ -18,17 +18,17 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .checkpoint import (SaveLayout, hf_to_moegraph_names, save_layout, to_hf_layout,
-                         write_checkpoint)
-from .config import ModelConfig
-from .errors import MoegraphError, UsageError
-from .outputs import check_output_dir
-from .units import fmt_bytes
+from ..io.checkpoint import (SaveLayout, hf_to_moegraph_names, save_layout, to_hf_layout,
+                             write_checkpoint)
+from ..config import ModelConfig
+from ..errors import MoegraphError, UsageError
+from ..io.outputs import check_output_dir
+from ..units import fmt_bytes
 
 if TYPE_CHECKING:
     import torch
 
-    from .runspec import RunSpec
+    from ..train.runspec import RunSpec
 
 _CONFIG_ALLOWANCE = 64 * 1024  # config.json and filesystem slack beyond the layout's bytes
 
@@ -37,7 +37,7 @@ def seeded_tensors(cfg: ModelConfig, seed: int, dtype: str) -> Callable[[str], "
     """HF tensor name -> its seeded value in `dtype`, generated on demand (CPU)."""
     import torch
 
-    from .models.common.init import is_expert_stack, seeded_value
+    from ..models.common.init import is_expert_stack, seeded_value
 
     torch_dtype = getattr(torch, dtype)
     table = hf_to_moegraph_names(cfg)
@@ -94,7 +94,7 @@ def create_checkpoint(spec: "RunSpec", out_dir: str | Path, seed: int | None = N
                          5 * 2**30 if max_shard_bytes is None else max_shard_bytes)
     _check_free_space(out, layout)
 
-    from .render import Progress
+    from ..report.render import Progress
 
     created = [p for p in (out, *out.parents) if not p.exists()]
     written: list[Path] = []
