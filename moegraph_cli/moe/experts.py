@@ -9,7 +9,9 @@ in a CUDA graph and replayed with new routing.
 
 Saved for backward: x, the top-k weights, both weights, Y1 [S, 2F] (the only F-scale tensor)
 and the RouteList (with biases: the biases and the top-k ids too). A is recomputed from Y1 by
-the dA kernel's epilogue.
+the dA kernel's epilogue. With `recompute_fc1` (the MoE scope's selective recompute) Y1 is not
+saved: the backward re-runs FC1 from x, the weights and the routes first (the same kernel on the
+same inputs, so the same Y1 bit for bit).
 
 Biases and the activation (GPT-OSS; see reference.py for the rounding points): b_gate_up rides
 FC1's epilogue, p * b_down FC2's, the clamped SwiGLU the FC1 and dA epilogues. Their
@@ -131,7 +133,8 @@ class PermuteFreeMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                dispatch, configs, b_gate_up_EF2=None, b_down_EH=None, act=SWIGLU):
+                dispatch, configs, b_gate_up_EF2=None, b_down_EH=None, act=SWIGLU,
+                recompute_fc1=False):
         num_tokens, hidden = x_TH.shape
         num_experts, two_f, _ = w_gate_up_EFH.shape
         ffn = two_f // 2
@@ -165,8 +168,9 @@ class PermuteFreeMoE(torch.autograd.Function):
                                                               dev))
         # Only dweights reads the ids and b_down (the bias term of dp); saved only with a bias.
         ids_TK = topk_ids_TK if b_down_EH is not None else None
-        ctx.save_for_backward(x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, ids_TK,
-                              b_down_EH, *routes[:-1])
+        ctx.save_for_backward(x_TH, weights_N, w_gate_up_EFH, w_down_EHF,
+                              None if recompute_fc1 else y1, ids_TK, b_down_EH, *routes[:-1])
+        del y1
         ctx.block_m = routes.block_m
         ctx.configs = cfg
         ctx.weights_shape = topk_weights_TK.shape
@@ -187,6 +191,13 @@ class PermuteFreeMoE(torch.autograd.Function):
         need_x, _, need_w, need_gu, need_down = ctx.needs_input_grad[:5]
         need_b_gu, need_b_down = ctx.needs_input_grad[7:9]
         dout_TH = dout_TH.contiguous()
+        if y1 is None:  # recompute_fc1: FC1 again, its activation output thrown away
+            y1 = _scratch((S, two_f), x_TH.dtype, dev)
+            b_gate_up = ctx.biases[0]
+            fc1_swiglu(x_TH, w_gate_up_EFH, weights_N, routes, y1,
+                       _scratch((S, ffn), x_TH.dtype, dev), cfg.fc1,
+                       bias_EF2=None if b_gate_up is None else b_gate_up.contiguous(),
+                       clamp=ctx.clamp)
 
         dy1 = _scratch((S, two_f), x_TH.dtype, dev)
         act = _scratch((S, ffn), x_TH.dtype, dev)
@@ -231,7 +242,7 @@ class PermuteFreeMoE(torch.autograd.Function):
         if need_b_gu:
             db_gate_up = _bias_grad(ctx.biases[0], dy1, routes, False, None)
         return (dx, None, dweights, dw_gate_up, dw_down, None, None, db_gate_up, db_down,
-                None)
+                None, None)
 
 
 def _wgrad(w, l_rows, r_rows, routes, gather_l, gather_r, cfg):
@@ -268,10 +279,10 @@ def permute_free_moe_with_drops(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EF
 
 def permute_free_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                          dispatch: Dispatch, *, b_gate_up=None, b_down=None,
-                         act: ExpertAct = SWIGLU) -> torch.Tensor:
+                         act: ExpertAct = SWIGLU, recompute_fc1: bool = False) -> torch.Tensor:
     """The experts over the routes `dispatch` keeps; reference_experts' contract."""
     return PermuteFreeMoE.apply(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                                dispatch, None, b_gate_up, b_down, act)[0]
+                                dispatch, None, b_gate_up, b_down, act, recompute_fc1)[0]
 
 
 def permute_free_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,

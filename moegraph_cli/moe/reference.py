@@ -55,9 +55,11 @@ def reference_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
 
 def reference_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                       dispatch: Dispatch, *, b_gate_up=None, b_down=None,
-                      act: ExpertAct = SWIGLU) -> torch.Tensor:
+                      act: ExpertAct = SWIGLU, recompute_fc1: bool = False) -> torch.Tensor:
     """The experts over the routes `dispatch` keeps (all when keep_TK is None). A sink's
-    gradient is deposited whole (an expert with no routes gets exact zeros)."""
+    gradient is deposited whole (an expert with no routes gets exact zeros). `recompute_fc1`
+    (the MoE scope's selective recompute): this path keeps no expert activations and re-runs
+    its whole expert loop in the backward (torch's non-reentrant checkpoint; the same values)."""
     check_expert_extras(w_gate_up_EFH, w_down_EHF, b_gate_up, b_down, act)
     top_k = topk_ids_TK.shape[1]
     w_gate_up_EFH, w_down_EHF = grads.through(w_gate_up_EFH), grads.through(w_down_EHF)
@@ -65,8 +67,14 @@ def reference_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_
         b_gate_up = grads.through(b_gate_up)
     if b_down is not None:
         b_down = grads.through(b_down)
-    y_TKH = route_outputs(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                          dispatch.keep_TK, b_gate_up=b_gate_up, b_down=b_down, act=act)
+    args = (x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF, dispatch.keep_TK)
+    extras = {"b_gate_up": b_gate_up, "b_down": b_down, "act": act}
+    if recompute_fc1 and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        y_TKH = checkpoint(route_outputs, *args, use_reentrant=False, **extras)
+    else:
+        y_TKH = route_outputs(*args, **extras)
     out_TH = y_TKH[:, 0].float()
     for j in range(1, top_k):
         out_TH = out_TH + y_TKH[:, j].float()

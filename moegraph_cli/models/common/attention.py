@@ -16,11 +16,14 @@ from ...config import ModelConfig
 from . import fused
 from .linear import Linear
 from .norm import RMSNorm
+from .recompute import Scope
 from .rope import apply_rope
 from .sinks import sink_attention
 
 
-class AttentionScope(nn.Module):
+class AttentionScope(Scope):
+    kind = "attn"
+
     def __init__(self, cfg: ModelConfig, qk_norm: str | None = "head", qkv_bias: bool = False,
                  o_bias: bool = False, clip_qkv: float | None = None,
                  sliding_window: int | None = None, sinks: bool = False):
@@ -53,7 +56,7 @@ class AttentionScope(nn.Module):
         """Tensors the forward reads besides inputs and parameters (checked by graph contracts)."""
         return tuple(self.rope) if self.rope is not None else ()
 
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+    def body(self, x_BSH: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x_BSH.shape
         cos_SD, sin_SD = self.rope
         y = self.input_norm(x_BSH)

@@ -18,6 +18,8 @@ and combine collectives run inside it (moe/ep.py), so a captured moe graph conta
 Routes dropped by capacity are counted on the device in `dropped_routes` (no sync).
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,19 +33,25 @@ from ...moe.routing import (aux_stats, expert_load_E, local_dispatch, route, rou
                             route_topk_softmax, update_correction_bias_)
 from .linear import Linear
 from .norm import RMSNorm
+from .recompute import Scope, recomputing
 
 
-def experts_fn(backend: str, device: torch.device):
-    """The expert implementation for a backend name; `auto` picks by device."""
+def experts_fn(backend: str, device: torch.device, recompute_fc1: bool = False):
+    """The expert implementation for a backend name; `auto` picks by device. `recompute_fc1`:
+    the experts keep no FC1 output for their backward and re-run FC1 there."""
     if backend == "auto":
         backend = "permute_free" if device.type == "cuda" else "reference"
     if backend == "permute_free":
         from ...moe.experts import permute_free_experts
-        return permute_free_experts
-    return reference_experts
+        fn = permute_free_experts
+    else:
+        fn = reference_experts
+    return functools.partial(fn, recompute_fc1=True) if recompute_fc1 else fn
 
 
-class MoeScope(nn.Module):
+class MoeScope(Scope):
+    kind = "moe"
+
     def __init__(self, cfg: ModelConfig, moe: MoeConfig, ep: EpGroup | None = None,
                  router: str = "softmax", shared_gate: bool = True, bias: bool = False,
                  act: ExpertAct | None = None):
@@ -101,7 +109,7 @@ class MoeScope(nn.Module):
         self._fp32_bias()
         return out
 
-    def forward(self, h_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def body(self, h_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, seq, hidden = h_BSH.shape
         x_TH = self.post_norm(h_BSH).view(batch * seq, hidden)
         if self.grouped:
@@ -109,7 +117,7 @@ class MoeScope(nn.Module):
                 x_TH, grads.through(self.router.weight), self.e_score_correction_bias,
                 self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
                 self.routed_scaling_factor)
-            if self.bias_update_rate > 0:
+            if self.bias_update_rate > 0 and not recomputing():
                 self.expert_load.add_(expert_load_E(topk_ids_TK, self.expert_load.shape[0]))
         elif self.topk_softmax:
             topk_ids_TK, topk_weights_TK, probs_TE = route_topk_softmax(
@@ -118,7 +126,7 @@ class MoeScope(nn.Module):
         else:
             topk_ids_TK, topk_weights_TK, probs_TE = route(
                 x_TH, grads.through(self.router.weight), self.top_k, self.norm_topk_prob)
-        experts = experts_fn(self.backend, x_TH.device)
+        experts = experts_fn(self.backend, x_TH.device, self.recompute == "fc1")
         if self.ep is not None:
             y_TH, dropped = ep_moe(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up,
                                    self.w_down, self.capacity_factor, self.ep, experts,
@@ -131,7 +139,7 @@ class MoeScope(nn.Module):
                            dispatch, b_gate_up=self.b_gate_up, b_down=self.b_down,
                            act=self.act or SWIGLU)
             dropped = None if dispatch.keep_TK is None else (~dispatch.keep_TK).sum()
-        if dropped is not None:
+        if dropped is not None and not recomputing():
             self.dropped_routes.add_(dropped.reshape(1))
         if self.shared_expert_gate is not None:
             y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
@@ -171,7 +179,9 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DenseMlpScope(nn.Module):
+class DenseMlpScope(Scope):
+    kind = "mlp"
+
     """A layer listed in mlp_only_layers: SwiGLU MLP of width intermediate_size."""
 
     def __init__(self, cfg: ModelConfig):
@@ -182,6 +192,6 @@ class DenseMlpScope(nn.Module):
         self.up_proj = Linear(h, i, bias=False)
         self.down_proj = Linear(i, h, bias=False)
 
-    def forward(self, h_BSH: torch.Tensor) -> torch.Tensor:
+    def body(self, h_BSH: torch.Tensor) -> torch.Tensor:
         y = self.post_norm(h_BSH)
         return h_BSH + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))

@@ -20,12 +20,15 @@ from torch import nn
 from ...config import ModelConfig
 from .linear import Linear
 from .norm import RMSNorm
+from .recompute import Scope
 from .rope import apply_rope, apply_rope_interleaved, softmax_scale
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default
 
 
-class MlaScope(nn.Module):
+class MlaScope(Scope):
+    kind = "attn"
+
     def __init__(self, cfg: ModelConfig, bias: bool = False):
         super().__init__()
         h, nh = cfg.hidden_size, cfg.num_attention_heads
@@ -54,7 +57,7 @@ class MlaScope(nn.Module):
         """Tensors the forward reads besides inputs and parameters (checked by graph contracts)."""
         return tuple(self.rope) if self.rope is not None else ()
 
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+    def body(self, x_BSH: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x_BSH.shape
         nh = self.num_heads
         cos_SD, sin_SD = self.rope[0][:seq], self.rope[1][:seq]
