@@ -1,0 +1,94 @@
+"""The run and moe sections of a profile: batch, steps, dtype, graph scopes and pools; the
+dispatch mode and expert backend."""
+
+from __future__ import annotations
+
+import re
+import typing
+from dataclasses import dataclass, field
+
+from ..io.documents import show
+from .fields import MAX_SEED, check_int_sizes, invalid
+
+
+@dataclass
+class RunConfig:
+    batch: int = 2
+    seq_len: int = 512
+    steps: int = 10
+    warmup: int = 3
+    dtype: str = "bfloat16"
+    seed: int = 0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_accum: int = 1  # micro-batches of `batch` sequences per optimizer step
+    scopes: list[str] = field(default_factory=lambda: ["attn", "moe"])
+    pool: str = "shared"
+    data: typing.Optional[str] = None  # a .pt / .bin file of token ids; None = synthetic
+    device: str = "auto"
+    # Settings graph capture refuses (fail closed at plan and capture time):
+    activation_checkpointing: bool = False
+    fp8: bool = False
+    pipeline_interleave: int = 1
+    dynamic_shapes: bool = False
+
+    def validate(self) -> "RunConfig":
+        check_int_sizes(self, "run.")
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            raise invalid("dtype", f"run.dtype {show(self.dtype)} must be bfloat16, float32 "
+                          "or float16")
+        for name in ("batch", "seq_len", "steps", "pipeline_interleave", "grad_accum"):
+            if getattr(self, name) <= 0:
+                raise invalid(name, f"run.{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup", "lr", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise invalid(name, f"run.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise invalid("seed", f"run.seed must be in 0..{MAX_SEED}, got {self.seed}")
+        bad = [s for s in self.scopes if s not in ("attn", "moe", "step")]
+        if bad:
+            raise invalid("scopes", f"run.scopes: unknown scope {show(bad[0])}; choose from "
+                          "attn, moe, step")
+        if "step" in self.scopes and len(self.scopes) > 1:
+            raise invalid("scopes", "run.scopes: step (the whole step as one graph) already "
+                          "holds attn and moe; give it alone")
+        if self.pool not in ("shared", "per_scope", "per_entry", "auto"):
+            raise invalid("pool", f"run.pool {show(self.pool)} must be shared, per_scope, "
+                          "per_entry or auto")
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise invalid("device", f"run.device {show(self.device)} must be auto, cpu, cuda "
+                          "or cuda:N")
+        if self.data is not None and not self.data.strip():
+            raise invalid("data", "run.data is empty; give a .pt or .bin token file, or null "
+                          "for synthetic batches")
+        return self
+
+
+@dataclass
+class MoeConfig:
+    mode: str = "dropless"  # dropless | capacity
+    capacity_factor: float = 1.25
+    backend: str = "auto"  # auto (permute_free on CUDA, reference on CPU) | reference | permute_free
+    # Auxiliary-loss-free balancing (DeepSeek-V3's router bias): after each optimizer step
+    # bias_e += rate * sign(mean load - load_e), on the device; 0: off.
+    bias_update_rate: float = 0.0
+
+    def validate(self) -> "MoeConfig":
+        if self.mode not in ("dropless", "capacity"):
+            raise invalid("mode", f"moe.mode {show(self.mode)} must be dropless or capacity")
+        if self.capacity_factor <= 0:
+            raise invalid("capacity_factor", f"moe.capacity_factor must be positive, got "
+                          f"{self.capacity_factor}")
+        if self.bias_update_rate < 0:
+            raise invalid("bias_update_rate", f"moe.bias_update_rate must be >= 0, got "
+                          f"{self.bias_update_rate}")
+        if self.backend not in ("auto", "reference", "permute_free"):
+            raise invalid("backend", f"moe.backend {show(self.backend)} must be auto, reference "
+                          "or permute_free")
+        return self
+
+    @property
+    def capacity(self) -> float | None:
+        """The capacity factor the expert functions take: None means dropless."""
+        return self.capacity_factor if self.mode == "capacity" else None
+
