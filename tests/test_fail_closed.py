@@ -7,8 +7,7 @@ from moegraph_cli.plan.capability import check_capturable
 from moegraph_cli.config import load_profile
 from moegraph_cli.errors import NotCapturableError
 
-CASES = [("run.activation_checkpointing=true", "activation_checkpointing"),
-         ("run.fp8=true", "fp8"),
+CASES = [("run.fp8=true", "fp8"),
          ("run.pipeline_interleave=2", "pipeline_interleave=2"),
          ("run.dynamic_shapes=true", "dynamic_shapes=true with a shared pool")]
 

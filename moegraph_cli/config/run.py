@@ -11,6 +11,17 @@ from ..io.documents import show
 from .fields import MAX_SEED, check_int_sizes, invalid
 
 
+# run.recompute -> each layer's {scope kind: mode} (auto and none: nothing forced).
+RECOMPUTE = {
+    "auto": {}, "none": {},
+    "attn": {"attn": "full"},
+    "moe": {"moe": "full", "mlp": "full"},
+    "full": {"attn": "full", "moe": "full", "mlp": "full"},
+    "fc1": {"moe": "fc1"},
+    "attn+fc1": {"attn": "full", "moe": "fc1"},
+}
+
+
 @dataclass
 class RunConfig:
     batch: int = 2
@@ -26,8 +37,12 @@ class RunConfig:
     pool: str = "shared"
     data: typing.Optional[str] = None  # a .pt / .bin file of token ids; None = synthetic
     device: str = "auto"
+    # Activation recompute (models/common/recompute.py), on every layer: attn, moe or full
+    # (both) re-run the scope's forward in its backward; fc1 re-runs only the MoE experts' FC1
+    # (their largest saved tensor), attn+fc1 both of those. auto: none unless a plan chooses
+    # it per layer (`moegraph plan` does where the budget needs it); none: never.
+    recompute: str = "auto"
     # Settings graph capture refuses (fail closed at plan and capture time):
-    activation_checkpointing: bool = False
     fp8: bool = False
     pipeline_interleave: int = 1
     dynamic_shapes: bool = False
@@ -58,6 +73,9 @@ class RunConfig:
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise invalid("device", f"run.device {show(self.device)} must be auto, cpu, cuda "
                           "or cuda:N")
+        if self.recompute not in RECOMPUTE:
+            raise invalid("recompute", f"run.recompute {show(self.recompute)} must be one of "
+                          + ", ".join(RECOMPUTE))
         if self.data is not None and not self.data.strip():
             raise invalid("data", "run.data is empty; give a .pt or .bin token file, or null "
                           "for synthetic batches")

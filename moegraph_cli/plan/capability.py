@@ -16,9 +16,6 @@ def check_whole_step(world: int) -> None:
 
 def check_capturable(prof: Profile, pool: str | None = None) -> None:
     run = prof.run
-    if run.activation_checkpointing:
-        raise NotCapturableError("run.activation_checkpointing=true: recomputation inside a "
-                                 "graphed scope is not supported; turn it off or capture nothing")
     if run.fp8:
         raise NotCapturableError("run.fp8=true: fp8 scaling state is not part of a scope's "
                                  "contract; fp8 capture is not supported")

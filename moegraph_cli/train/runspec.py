@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..config.run import RECOMPUTE
 from ..config import DEFAULT_PROFILE, Profile, load_profile, profile_from_model, read_hf_config
 from ..errors import NotCapturableError, UsageError
 
@@ -73,16 +74,24 @@ def pick_device(name: str = "auto", need_cuda: bool = False) -> torch.device:
 
 
 def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt=None):
-    """The model of this process: whole, or (distributed, `rt`) this rank's shard."""
-    if rt is not None:
-        from ..distributed.model import build_sharded_model
-        return build_sharded_model(spec, rt, seed)
-    from ..models import MoeCausalLM
+    """The model of this process: whole, or (distributed, `rt`) this rank's shard, with
+    run.recompute set on every layer (a plan may set it per layer afterwards)."""
+    from ..models.common.recompute import set_recompute
 
     prof = spec.profile
-    if spec.checkpoint is not None:
-        return MoeCausalLM.from_pretrained(spec.checkpoint, dtype=prof.run.dtype,
-                                           device=device, moe=prof.moe)
-    return MoeCausalLM.from_config(prof.model, prof.moe,
-                                   prof.run.seed if seed is None else seed,
-                                   prof.run.dtype, device)
+    if rt is not None:
+        from ..distributed.model import build_sharded_model
+        model = build_sharded_model(spec, rt, seed)
+    elif spec.checkpoint is not None:
+        from ..models import MoeCausalLM
+        model = MoeCausalLM.from_pretrained(spec.checkpoint, dtype=prof.run.dtype,
+                                            device=device, moe=prof.moe)
+    else:
+        from ..models import MoeCausalLM
+        model = MoeCausalLM.from_config(prof.model, prof.moe,
+                                        prof.run.seed if seed is None else seed,
+                                        prof.run.dtype, device)
+    modes = RECOMPUTE[prof.run.recompute]
+    if modes:
+        set_recompute(model, {i: modes for i in range(len(model.layers))})
+    return model
