@@ -1,8 +1,8 @@
 """The gated activation (SwiGLU times the route probability), as GEMM-epilogue helpers.
 
 There is no standalone activation kernel: the forward activation rides the FC1 epilogue and
-its backward rides the epilogue of the dA gather-GEMM (both in gather_gemm.py), so no pass over
-an [S, F] tensor is spent on it. These helpers are the one place the math lives.
+its backward rides the epilogue of the dA gather-GEMM (fc1_swiglu.py, dact_swiglu.py), so no
+pass over an [S, F] tensor is spent on it. These helpers are the one place the math lives.
 
 Contract (per slot s and column f < F, Y1 = [gate | up] of width 2F in the input dtype):
 - forward: A = silu(g) * u * p, computed in fp32 from g, u already rounded to the input dtype

@@ -12,7 +12,7 @@ Three schedules over the RouteList's blocks (see route_align.py for the layout):
     TAIL = 1: BM-row tiles over every live block except those (`second_half_real`), then
     TAIL = 2: BM/2-row tiles, one program per (expert, column tile) (`short_tail`): expert e's
               last block when it holds 1..BM/2 real rows; its second half is only padding and
-              is written as zeros without a matmul (the padding-rows contract of gather_gemm).
+              is written as zeros without a matmul (the padding-rows contract of gemm_config.py).
   Every other block keeps its BM-row tile, so no row is computed twice or skipped.
   Measured on the H200 (Qwen3 shape, T = 8192): the 64-row tail tiles ran slower per row than
   the 128-row tiles they replace, so the split is an opt-in variant (GemmConfig.split_tail).

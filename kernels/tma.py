@@ -11,7 +11,7 @@
 - Persistent loops: `tl.range(..., flatten=...)` (Triton >= 3.3) fuses the tile loop with the
   K loop so the pipeliner overlaps one tile's epilogue with the next tile's loads;
   `warp_specialize=` (Triton >= 3.4) splits loads and MMAs into separate warp groups; on
-  Hopper only for unflattened loops whose loads are all TMA (see gather_gemm.py).
+  Hopper only for unflattened loops whose loads are all TMA (see gemm_config.py).
 Every check answers False where a feature is missing (older Triton, a pre-Hopper GPU), and the
 callers then take the pointer-based path. The interpreter runs descriptors and `tl.range`
 (ignoring its scheduling hints), so CPU tests exercise the same index arithmetic.
@@ -112,3 +112,25 @@ def expert_rows(w_E: torch.Tensor) -> torch.Tensor | None:
 def descriptor(t: torch.Tensor, block_shape: tuple[int, ...]):
     """A host descriptor over t (any rank) with boxes of block_shape."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape))
+
+
+def weight_desc(w_E: torch.Tensor, block_shape: tuple[int, int]):
+    """Descriptor over w [E, R, C] seen as [E*R, C], or None where TMA cannot read it."""
+    rows = expert_rows(w_E)
+    if rows is None or not matrix_fits(rows, block_shape):
+        return None
+    return descriptor(rows, block_shape)
+
+
+def gate_up_pair_desc(w_EFH: torch.Tensor, block_n: int, block_k: int):
+    """Descriptor over w_gate_up [E, 2F, H] seen as [2E, F, H] (gate of e at 2e, up at 2e + 1)
+    with [2, BN, BK] boxes, or None where TMA cannot read it or one dot cannot take 2 BN."""
+    E, two_f, H = w_EFH.shape
+    f, row = two_f // 2, w_EFH.stride(1)
+    if 2 * block_n > 256 or w_EFH.stride(2) != 1 or (E > 1 and w_EFH.stride(0) != two_f * row):
+        return None
+    pairs = w_EFH.as_strided((2 * E, f, H), (f * row, row, 1))
+    # Alignment, row stride and box checks: those of the same rows as one 2-D matrix.
+    if not matrix_fits(pairs.as_strided((2 * E * f, H), (row, 1)), (block_n, block_k)):
+        return None
+    return descriptor(pairs, (2, block_n, block_k))

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather_gemm import GemmConfig, tile_from_env
+from .gemm_config import GemmConfig, tile_from_env
 from .route_align import RouteList
 from .slot_schedule import grouped_pid
 

@@ -28,12 +28,14 @@ from typing import NamedTuple
 
 import torch
 
-from moegraph_kernels import gather_gemm
+from moegraph_kernels import gemm_config
 from moegraph_kernels.combine import gather_combine
-from moegraph_kernels.gather_gemm import (GemmConfig, dact_config, dact_swiglu, dp_tiles,
-                                          fc1_config, fc1_swiglu, fc2_config, route_block_m,
-                                          slot_gemm, slot_gemm_config)
+from moegraph_kernels.dact_swiglu import dact_swiglu, dp_tiles
+from moegraph_kernels.fc1_swiglu import fc1_swiglu
+from moegraph_kernels.gemm_config import (GemmConfig, dact_config, fc1_config, fc2_config,
+                                          route_block_m, slot_gemm_config)
 from moegraph_kernels.route_align import RouteList, build_route_list
+from moegraph_kernels.slot_gemm import slot_gemm
 from moegraph_kernels.wgrad import expert_bias_grad, expert_wgrad, wgrad_config
 
 from .. import grads
@@ -106,8 +108,8 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     # paired against 0.87-0.90 unpaired; persistent on top 0.796 / 0.837 / 0.809 against
     # 0.818 / 0.823 / 0.823 in three A/Bs, 3.049 / 3.004 against 3.065 / 3.052 at T = 32768
     # (results/NOTES.md, the sixth session of 2026-11-30).
-    fc1 = "tma+pair" if gather_gemm.FC1_PAIRED else "tma"
-    if gather_gemm.FC1_PAIRED and block >= 128:
+    fc1 = "tma+pair" if gemm_config.FC1_PAIRED else "tma"
+    if gemm_config.FC1_PAIRED and block >= 128:
         fc1 = "tma+persistent+pair"
     return cfg._replace(fc1=cfg.fc1.with_variant(fc1), fc2=fc2, dx=dx)
 

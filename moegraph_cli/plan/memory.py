@@ -97,7 +97,7 @@ KIND_OF_SCOPE = {"attn": "attn", "moe": "moe", "mlp": "moe"}  # model kind -> re
 
 
 def route_block(num_routes: int, num_experts: int, device_type: str) -> int:
-    """Slot block BM; mirrors kernels/gather_gemm.route_block_m (a test keeps them equal)."""
+    """Slot block BM; mirrors kernels/gemm_config.route_block_m (a test keeps them equal)."""
     if device_type != "cuda":
         return 16
     return 128 if num_routes >= 256 * num_experts else 64

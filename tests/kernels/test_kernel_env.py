@@ -38,7 +38,7 @@ def test_a_bad_tile_variable_is_a_one_line_usage_error(monkeypatch, capsys):
 
     @command
     def load():
-        from moegraph_kernels.gather_gemm import tile_from_env
+        from moegraph_kernels.gemm_config import tile_from_env
         tile_from_env("MOEGRAPH_FC1_TILE")
 
     with pytest.raises(typer.Exit) as exc:

@@ -21,11 +21,15 @@ import pytest
 import torch
 from routing_cases import moe_inputs
 
-import moegraph_kernels.gather_gemm as gg
+import moegraph_kernels.gemm_config as gc
+import moegraph_kernels.gemm_launch as gl
 from moegraph_cli.moe.experts import (build_routes, permute_free_moe_with_drops,
                                       poisoned_scratch, tile_configs)
 from moegraph_cli.moe.reference import reference_moe
 from moegraph_kernels import tma
+from moegraph_kernels.dact_swiglu import dact_swiglu, dp_tiles
+from moegraph_kernels.fc1_swiglu import fc1_swiglu
+from moegraph_kernels.slot_gemm import slot_gemm
 
 VARIANTS = {  # name: GemmConfig fields
     "tma": dict(tma=True),
@@ -47,7 +51,7 @@ TRANSPOSED_TMA_TILE = ("fc1", "fc2")  # w [E, N, K]: the TMA tile is [BN, BK], t
 
 
 def _cfg(block_m=16, **variant):
-    return gg.GemmConfig(block_m, 32, 32, 4, 4, 1, **variant)
+    return gc.GemmConfig(block_m, 32, 32, 4, 4, 1, **variant)
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,13 +72,13 @@ def _run_kernels(case, capacity_factor, cfg, inputs=None, route_block=16):
     x, w_N, w_gate_up, w_down, dout, routes = _problem(case, capacity_factor, route_block)
     S, F, H = routes.num_slots, w_down.shape[2], w_down.shape[1]
     y1, act = _nan(S, 2 * F), _nan(S, F)
-    gg.fc1_swiglu(x, w_gate_up, w_N, routes, y1, act, cfg)
+    fc1_swiglu(x, w_gate_up, w_N, routes, y1, act, cfg)
     y1_in, act_in, dy1_in = inputs or (y1, act, None)
-    y2 = gg.slot_gemm(act_in, w_down, routes, _nan(S, H), w_nk=True, cfg=cfg)
-    dy1, act2, dp = _nan(S, 2 * F), _nan(S, F), _nan(S, gg.dp_tiles(F, cfg))
-    gg.dact_swiglu(dout, w_down, y1_in, w_N, routes, dy1, act2, dp, cfg)
-    dx = gg.slot_gemm(dy1 if dy1_in is None else dy1_in, w_gate_up, routes, _nan(S, H),
-                      w_nk=False, cfg=cfg)
+    y2 = slot_gemm(act_in, w_down, routes, _nan(S, H), w_nk=True, cfg=cfg)
+    dy1, act2, dp = _nan(S, 2 * F), _nan(S, F), _nan(S, dp_tiles(F, cfg))
+    dact_swiglu(dout, w_down, y1_in, w_N, routes, dy1, act2, dp, cfg)
+    dx = slot_gemm(dy1 if dy1_in is None else dy1_in, w_gate_up, routes, _nan(S, H),
+                   w_nk=False, cfg=cfg)
     return {"fc1": [y1, act], "fc2": [y2], "dact": [dy1, act2, dp], "dx": [dx]}
 
 
@@ -92,7 +96,7 @@ def _check_against_default(case, capacity_factor, cfg, route_block=16):
     want = _default(case, capacity_factor, route_block)
     inputs = (want["fc1"][0], want["fc1"][1], want["dact"][0])
     got = _run_kernels(case, capacity_factor, cfg, inputs, route_block)
-    plans = dict(gg.LAST_PLAN)
+    plans = dict(gl.LAST_PLAN)
     live = _live_rows(_problem(case, capacity_factor, route_block)[-1])
     for kernel in KERNELS:
         for i, (g, w) in enumerate(zip(got[kernel], want[kernel])):
@@ -107,7 +111,7 @@ def _check_against_default(case, capacity_factor, cfg, route_block=16):
 
 
 def test_gemm_config_positional_construction_keeps_the_default_path():
-    cfg = gg.GemmConfig(128, 128, 64, 8, 8, 3)
+    cfg = gc.GemmConfig(128, 128, 64, 8, 8, 3)
     assert (cfg.tma, cfg.persistent, cfg.warp_specialize, cfg.flatten) == (False, False, False,
                                                                            True)
     assert cfg.variant == "base" and tuple(cfg)[:6] == (128, 128, 64, 8, 8, 3)
@@ -119,7 +123,7 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     with pytest.raises(ValueError, match="unknown variant part 'tmaa'"):
         cfg.with_variant("tmaa+persistent")
     # the product's choice (moe/experts.tile_configs), measured on the H200
-    big, small = ("tma+persistent+pair", "tma+pair") if gg.FC1_PAIRED else ("tma", "tma")
+    big, small = ("tma+persistent+pair", "tma+pair") if gc.FC1_PAIRED else ("tma", "tma")
     for routes, variants in ((8192 * 8, (big, "tma+persistent", "base", "base")),
                              (1024 * 8, (small, "base", "base", "tma+persistent"))):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
@@ -129,8 +133,8 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
 
 @pytest.mark.parametrize("paired", [False, True])
 def test_fc1_pairing_follows_its_switch(paired, monkeypatch):
-    """MOEGRAPH_FC1_PAIRED (read into gg.FC1_PAIRED) picks the paired FC1; nothing else moves."""
-    monkeypatch.setattr(gg, "FC1_PAIRED", paired)
+    """MOEGRAPH_FC1_PAIRED (read into gc.FC1_PAIRED) picks the paired FC1; nothing else moves."""
+    monkeypatch.setattr(gc, "FC1_PAIRED", paired)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, torch.device("cuda"))
     assert chosen.fc1.variant == ("tma+persistent+pair" if paired else "tma")
     assert all(not c.paired for c in chosen[2:])
@@ -142,33 +146,33 @@ def test_fc1_default_tiles_by_slot_block():
     """The H200's measured choices (benchmarks/tile_sweep.py) at 128-row blocks: FC1 a K tile
     of 64, FC2 four stages."""
     cuda = torch.device("cuda")
-    assert tuple(gg.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
+    assert tuple(gc.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
                                                     False, False, False)
-    assert tuple(gg.fc1_config(768, 64, cuda))[:6] == (64, 128, 32, 8, 4, 5)
-    assert gg.fc1_config(1408, 128, cuda).block_n == 128  # 1408 = 11 x 128
-    assert tuple(gg.fc2_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 4)
-    assert gg.fc2_config(2048, 64, cuda) == gg.slot_gemm_config(2048, 64, cuda)
-    assert tuple(gg.slot_gemm_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 3)  # dX
+    assert tuple(gc.fc1_config(768, 64, cuda))[:6] == (64, 128, 32, 8, 4, 5)
+    assert gc.fc1_config(1408, 128, cuda).block_n == 128  # 1408 = 11 x 128
+    assert tuple(gc.fc2_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 4)
+    assert gc.fc2_config(2048, 64, cuda) == gc.slot_gemm_config(2048, 64, cuda)
+    assert tuple(gc.slot_gemm_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 3)  # dX
 
 
 def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
     """MOEGRAPH_FC1_TILE (benchmarks/tile_sweep.py's winner) replaces the FC1 tile at slot
     blocks of at least its block_m, keeps the default below, and never touches the CPU."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    default64, default128 = gg.fc1_config(768, 64, cuda), gg.fc1_config(768, 128, cuda)
-    tile = gg.GemmConfig(128, 128, 32, 16, 8, 5)
-    monkeypatch.setattr(gg, "FC1_TILE_OVERRIDE", tile)
-    assert gg.fc1_config(768, 128, cuda) == tile != default128
-    assert gg.fc1_config(768, 64, cuda) == default64
-    assert gg.fc1_config(768, 128, cpu) == gg.GemmConfig(128, 32, 32, 4, 4, 1)
+    default64, default128 = gc.fc1_config(768, 64, cuda), gc.fc1_config(768, 128, cuda)
+    tile = gc.GemmConfig(128, 128, 32, 16, 8, 5)
+    monkeypatch.setattr(gc, "FC1_TILE_OVERRIDE", tile)
+    assert gc.fc1_config(768, 128, cuda) == tile != default128
+    assert gc.fc1_config(768, 64, cuda) == default64
+    assert gc.fc1_config(768, 128, cpu) == gc.GemmConfig(128, 32, 32, 4, 4, 1)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
-    assert chosen.fc1 == tile.with_variant("tma+persistent+pair" if gg.FC1_PAIRED else "tma")
-    fc2 = gg.GemmConfig(128, 128, 64, 8, 8, 4)
-    monkeypatch.setattr(gg, "FC2_TILE_OVERRIDE", fc2)
+    assert chosen.fc1 == tile.with_variant("tma+persistent+pair" if gc.FC1_PAIRED else "tma")
+    fc2 = gc.GemmConfig(128, 128, 64, 8, 8, 4)
+    monkeypatch.setattr(gc, "FC2_TILE_OVERRIDE", fc2)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
     assert chosen.fc2 == fc2.with_variant("tma+persistent")
-    assert chosen.dx == gg.slot_gemm_config(2048, 128, cuda)  # dX keeps its own tile
-    assert tile_configs(1024 * 8, 128, 2048, 768, cuda).fc2 == gg.GemmConfig(64, 128, 64, 8, 4,
+    assert chosen.dx == gc.slot_gemm_config(2048, 128, cuda)  # dX keeps its own tile
+    assert tile_configs(1024 * 8, 128, 2048, 768, cuda).fc2 == gc.GemmConfig(64, 128, 64, 8, 4,
                                                                              4)
 
 
@@ -186,7 +190,7 @@ def test_variant_matches_default_path(variant, case, capacity_factor):
     if wants_tma and H % 4 == 0 and F % 4 == 0:  # 16-byte fp32 rows: TMA must engage
         assert plans["fc1"].tma and plans["fc2"].tma, plans
         # Y1 / A through TMA stores only where asked and F fills whole column tiles (BN 32).
-        assert plans["fc1"].store_tma == (gg.FC1_TMA_STORE and F % 32 == 0), plans
+        assert plans["fc1"].store_tma == (gc.FC1_TMA_STORE and F % 32 == 0), plans
         # w [E, K, N] descriptors only when K (H for dact, 2F for dx) fills whole BK tiles.
         assert plans["dact"].tma == (H % 32 == 0), plans
         assert plans["dx"].tma == (2 * F % 32 == 0), plans
@@ -201,9 +205,9 @@ def test_warp_specialized_slot_gemm_and_its_scan_free_block_list(case, monkeypat
     whose live-block list is built without tl.cumsum; small list chunks make it span several.
     (Off in the product: it lost the CUDA context on the H200 with Triton 3.6; the code path
     stays tested here, switched on.)"""
-    monkeypatch.setattr(gg, "WARP_SPECIALIZE_ENABLED", True)
-    monkeypatch.setattr(gg, "LIST_CHUNK", 2)
-    monkeypatch.setattr(gg, "LIST_CHUNK_WS", 2)
+    monkeypatch.setattr(gc, "WARP_SPECIALIZE_ENABLED", True)
+    monkeypatch.setattr(gc, "LIST_CHUNK", 2)
+    monkeypatch.setattr(gc, "LIST_CHUNK_WS", 2)
     plans = _check_against_default(case, None, _cfg(128, tma=True, persistent=True,
                                                      warp_specialize=True), route_block=128)
     assert plans["fc2"].warp_specialize and plans["dx"].warp_specialize, plans
@@ -266,7 +270,7 @@ def test_split_tail_leaves_the_short_tails_to_the_second_launch(monkeypatch):
     others = tail_rows.clone()
     others[:int(routes.expert_starts[1])] = False  # expert 0's rows
     assert others.any() and long_tails > 0
-    monkeypatch.setattr(gg, "tail_grid", lambda *args: (1,))
+    monkeypatch.setattr(gl, "tail_grid", lambda *args: (1,))
     for variant in ("tail", "tma+tail"):  # one program per (expert, column tile)
         got = _run_kernels(case, None, _cfg(32).with_variant(variant), route_block=32)
         live = _live_rows(routes)
@@ -278,15 +282,15 @@ def test_split_tail_leaves_the_short_tails_to_the_second_launch(monkeypatch):
 
 def test_split_tail_needs_the_tile_to_be_the_route_block():
     routes = _problem(("uniform", 100, 4, 7, 32, 32), None, 32)[-1]
-    assert gg.splits_tail(routes, _cfg(32, split_tail=True))
-    assert not gg.splits_tail(routes, _cfg(32))
-    assert not gg.splits_tail(routes, _cfg(16, split_tail=True))  # 16-row tiles in 32 blocks
-    assert not gg.splits_tail(_problem(("uniform", 100, 4, 7, 32, 32), None)[-1],
+    assert gc.splits_tail(routes, _cfg(32, split_tail=True))
+    assert not gc.splits_tail(routes, _cfg(32))
+    assert not gc.splits_tail(routes, _cfg(16, split_tail=True))  # 16-row tiles in 32 blocks
+    assert not gc.splits_tail(_problem(("uniform", 100, 4, 7, 32, 32), None)[-1],
                               _cfg(16, split_tail=True))  # halves under 16 rows
-    half = gg.tail_config(gg.GemmConfig(128, 256, 64, 8, 8, 4, tma=True, persistent=True,
+    half = gc.tail_config(gc.GemmConfig(128, 256, 64, 8, 8, 4, tma=True, persistent=True,
                                         split_tail=True))
-    assert half == gg.GemmConfig(64, 256, 64, 8, 8, 4, tma=True, persistent=True)
-    assert gg.tail_config(gg.GemmConfig(128, 128, 64, 4, 8, 4, split_tail=True)).num_warps == 4
+    assert half == gc.GemmConfig(64, 256, 64, 8, 8, 4, tma=True, persistent=True)
+    assert gc.tail_config(gc.GemmConfig(128, 128, 64, 4, 8, 4, split_tail=True)).num_warps == 4
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
@@ -297,8 +301,8 @@ def test_split_tail_end_to_end_matches_reference(capacity_factor, pair):
     tail = _cfg(32).with_variant("tma+persistent+tail" + pair)
     _end_to_end_matches_reference(case, capacity_factor, lambda base: base._replace(
         route_block=32, fc1=tail, fc2=tail, dact=tail, dx=tail))
-    assert all(gg.LAST_PLAN[kernel].tail for kernel in KERNELS)
-    assert gg.LAST_PLAN["fc1"].paired == bool(pair)
+    assert all(gl.LAST_PLAN[kernel].tail for kernel in KERNELS)
+    assert gl.LAST_PLAN["fc1"].paired == bool(pair)
 
 
 @pytest.mark.parametrize("store_tma", [False, True])
@@ -307,7 +311,7 @@ def test_split_tail_end_to_end_matches_reference(capacity_factor, pair):
 def test_fc1_tma_stores_match_pointer_stores(store_tma, case, monkeypatch):
     """MOEGRAPH_FC1_TMA_STORE: Y1 and A through TMA store descriptors where F fills whole
     column tiles (F = 64 here; F = 20 keeps the pointer stores), equal to the default path."""
-    monkeypatch.setattr(gg, "FC1_TMA_STORE", store_tma)
+    monkeypatch.setattr(gc, "FC1_TMA_STORE", store_tma)
     plans = _check_against_default(case, None, _cfg(tma=True))
     assert plans["fc1"].tma and plans["fc1"].store_tma == (store_tma and case[-1] % 32 == 0)
 
@@ -329,14 +333,14 @@ def test_fc1_paired_gate_up_box_matches_the_default(case, capacity_factor, varia
 def test_paired_descriptor_refusals():
     """No box over a layout it cannot describe: 2 BN > 256 (one dot), non-contiguous experts."""
     w = torch.zeros(3, 2 * 64, 32)
-    assert gg._gate_up_pair_desc(w, 32, 32) is not None
-    assert gg._gate_up_pair_desc(w, 256, 32) is None
-    assert gg._gate_up_pair_desc(w[:, :96], 32, 32) is None  # rows of an expert not 2F apart
-    assert gg._gate_up_pair_desc(w.transpose(1, 2), 32, 32) is None
+    assert tma.gate_up_pair_desc(w, 32, 32) is not None
+    assert tma.gate_up_pair_desc(w, 256, 32) is None
+    assert tma.gate_up_pair_desc(w[:, :96], 32, 32) is None  # rows of an expert not 2F apart
+    assert tma.gate_up_pair_desc(w.transpose(1, 2), 32, 32) is None
 
 
 def test_persistent_block_list_spans_several_chunks(monkeypatch):
-    monkeypatch.setattr(gg, "LIST_CHUNK", 4)  # 23 M blocks here: six chunks
+    monkeypatch.setattr(gc, "LIST_CHUNK", 4)  # 23 M blocks here: six chunks
     plans = _check_against_default(("zipf", 64, 4, 7, 36, 20), 0.5, _cfg(tma=True,
                                                                          persistent=True))
     assert all(p.persistent for p in plans.values())
@@ -352,12 +356,12 @@ def test_missing_features_fall_back_to_the_pointer_path(monkeypatch):
 
 
 def test_a_variant_that_fails_on_the_gpu_is_replaced_by_the_pointer_path(monkeypatch):
-    monkeypatch.setattr(gg, "_FAILED_VARIANTS", {})
+    monkeypatch.setattr(gl, "_FAILED_VARIANTS", {})
     calls = []
 
     def launch(cfg):
         calls.append(cfg.variant)
-        gg.LAST_PLAN["fc2"] = gg.Plan(cfg.tma, cfg.persistent, cfg.flatten, False, 1)
+        gl.LAST_PLAN["fc2"] = gl.Plan(cfg.tma, cfg.persistent, cfg.flatten, False, 1)
         if cfg.tma:
             raise RuntimeError("PassManager::run failed\nlong reproducer")
         return "ran"
@@ -365,15 +369,15 @@ def test_a_variant_that_fails_on_the_gpu_is_replaced_by_the_pointer_path(monkeyp
     cfg = _cfg(tma=True)
     cuda = torch.device("cuda")
     with pytest.warns(RuntimeWarning, match="tma variant"):
-        assert gg._with_fallback("fc2", cfg, cuda, (1,), launch) == "ran"
+        assert gl.with_fallback("fc2", cfg, cuda, (1,), launch) == "ran"
     assert calls == ["tma", "base"]
-    assert gg.LAST_PLAN["fc2"].fallback == "RuntimeError: PassManager::run failed"
+    assert gl.LAST_PLAN["fc2"].fallback == "RuntimeError: PassManager::run failed"
     # Remembered: the broken variant is not compiled again.
-    assert gg._with_fallback("fc2", cfg, cuda, (1,), launch) == "ran"
+    assert gl.with_fallback("fc2", cfg, cuda, (1,), launch) == "ran"
     assert calls == ["tma", "base", "base"]
-    monkeypatch.setattr(gg, "FALLBACK_ON_ERROR", False)
+    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
     with pytest.raises(RuntimeError, match="PassManager"):
-        gg._with_fallback("fc2", cfg, cuda, (2,), launch)
+        gl.with_fallback("fc2", cfg, cuda, (2,), launch)
 
 
 def test_tma_checks_reject_what_a_descriptor_cannot_describe():
@@ -443,7 +447,7 @@ def _gpu_problem(case):
     kind, T, k, E, H, F = case
     x, ids, w, w_gate_up, w_down, dout = [t.cuda() for t in moe_inputs(kind, T, k, E, H, F, 1)]
     bf = torch.bfloat16
-    block = gg.route_block_m(T * k, E, x.device)
+    block = gc.route_block_m(T * k, E, x.device)
     routes = build_routes(ids, w, E, block, None)
     return (x.to(bf), w.reshape(-1).to(bf), w_gate_up.to(bf), w_down.to(bf), dout.to(bf),
             routes)
@@ -457,22 +461,22 @@ def _gpu_kernel(kernel, case, cfg, inputs):
         return torch.full(shape, float("nan"), dtype=dt, device="cuda")
 
     if kernel == "fc1":
-        return list(gg.fc1_swiglu(x, w_gate_up, w_N, routes, nan(S, 2 * F), nan(S, F), cfg))
+        return list(fc1_swiglu(x, w_gate_up, w_N, routes, nan(S, 2 * F), nan(S, F), cfg))
     if kernel == "fc2":
-        return [gg.slot_gemm(inputs["act"], w_down, routes, nan(S, H), True, cfg)]
+        return [slot_gemm(inputs["act"], w_down, routes, nan(S, H), True, cfg)]
     if kernel == "dact":
-        dp = nan(S, gg.dp_tiles(F, cfg), dt=torch.float32)
-        return list(gg.dact_swiglu(dout, w_down, inputs["y1"], w_N, routes, nan(S, 2 * F),
-                                   nan(S, F), dp, cfg))
-    return [gg.slot_gemm(inputs["dy1"], w_gate_up, routes, nan(S, H), False, cfg)]
+        dp = nan(S, dp_tiles(F, cfg), dt=torch.float32)
+        return list(dact_swiglu(dout, w_down, inputs["y1"], w_N, routes, nan(S, 2 * F),
+                                nan(S, F), dp, cfg))
+    return [slot_gemm(inputs["dy1"], w_gate_up, routes, nan(S, H), False, cfg)]
 
 
 def _gpu_default_config(kernel, case):
     _, T, k, E, H, F = case
-    block = gg.route_block_m(T * k, E, torch.device("cuda"))
+    block = gc.route_block_m(T * k, E, torch.device("cuda"))
     dev = torch.device("cuda")
-    return {"fc1": gg.fc1_config(F, block, dev), "fc2": gg.slot_gemm_config(H, block, dev),
-            "dact": gg.dact_config(F, block, dev), "dx": gg.slot_gemm_config(H, block, dev)}[kernel]
+    return {"fc1": gc.fc1_config(F, block, dev), "fc2": gc.slot_gemm_config(H, block, dev),
+            "dact": gc.dact_config(F, block, dev), "dx": gc.slot_gemm_config(H, block, dev)}[kernel]
 
 
 @pytest.mark.cuda
@@ -493,7 +497,7 @@ def test_cuda_variant_is_bitwise_equal_to_default(variant, case, kernel):
     inputs = {"y1": y1, "act": act, "dy1": dy1}
     want = _gpu_kernel(kernel, case, base_cfg, inputs)
     got = _gpu_kernel(kernel, case, base_cfg._replace(**fields), inputs)
-    plan = gg.LAST_PLAN[kernel]
+    plan = gl.LAST_PLAN[kernel]
     torch.cuda.synchronize()
     live = _live_rows(_gpu_problem(case)[-1])
     for i, (g, w) in enumerate(zip(got, want)):
@@ -514,11 +518,11 @@ def test_cuda_variant_is_bitwise_equal_to_default(variant, case, kernel):
 @pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
 def test_cuda_fc1_tma_stores_are_bitwise_equal_to_pointer_stores(case, monkeypatch):
     cfg = _gpu_default_config("fc1", case)._replace(tma=True)
-    monkeypatch.setattr(gg, "FC1_TMA_STORE", False)
+    monkeypatch.setattr(gc, "FC1_TMA_STORE", False)
     want = _gpu_kernel("fc1", case, cfg, None)
-    monkeypatch.setattr(gg, "FC1_TMA_STORE", True)
+    monkeypatch.setattr(gc, "FC1_TMA_STORE", True)
     got = _gpu_kernel("fc1", case, cfg, None)
-    plan = gg.LAST_PLAN["fc1"]
+    plan = gl.LAST_PLAN["fc1"]
     torch.cuda.synchronize()
     live = _live_rows(_gpu_problem(case)[-1])
     assert plan.store_tma, plan
@@ -533,14 +537,14 @@ def test_cuda_fc1_paired_box_is_bitwise_equal(case, variant, monkeypatch):
     """One [BM, 2 BN] dot over the [2, BN, BK] gate/up box sums each element's K tiles in the
     same order as the two dots: bitwise equal to the unpaired TMA path (no fallback taken).
     `96KB:` runs the 128 x (2 x 64) x 64 tile of 3 stages (two programs per SM)."""
-    monkeypatch.setattr(gg, "FALLBACK_ON_ERROR", False)
+    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
     base = _gpu_default_config("fc1", case)._replace(paired=False)
     if variant.startswith("96KB:"):
         variant = variant[5:]
-        base = gg.GemmConfig(base.block_m, 64, 64, 8, 8, 3)
+        base = gc.GemmConfig(base.block_m, 64, 64, 8, 8, 3)
     want = _gpu_kernel("fc1", case, base.with_variant("tma"), None)
     got = _gpu_kernel("fc1", case, base.with_variant(variant), None)
-    plan = gg.LAST_PLAN["fc1"]
+    plan = gl.LAST_PLAN["fc1"]
     torch.cuda.synchronize()
     live = _live_rows(_gpu_problem(case)[-1])
     assert plan.paired and not plan.fallback, plan
@@ -558,18 +562,18 @@ def test_cuda_persistent_tma_slot_gemm_replays_in_a_graph_with_new_routing():
     out = torch.zeros(routes.num_slots, 512, device="cuda", dtype=torch.bfloat16)
     static = [t.clone() for t in routes[:-1]]
     static_routes = type(routes)(*static, block_m=routes.block_m)
-    gg.slot_gemm(act, w_down, static_routes, out, True, cfg)  # compile before capture
+    slot_gemm(act, w_down, static_routes, out, True, cfg)  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gg.slot_gemm(act, w_down, static_routes, out, True, cfg)
+        slot_gemm(act, w_down, static_routes, out, True, cfg)
     _, ids2, w2, *_ = moe_inputs("sparse_experts", 512, 4, 16, 512, 256, seed=7)
     routes2 = build_routes(ids2.cuda(), w2.cuda(), 16, routes.block_m, None)
     for dst, src in zip(static, routes2[:-1]):
         dst.copy_(src)
     graph.replay()
     want = torch.zeros_like(out)
-    gg.slot_gemm(act, w_down, routes2, want, True, _gpu_default_config("fc2", case))
+    slot_gemm(act, w_down, routes2, want, True, _gpu_default_config("fc2", case))
     torch.cuda.synchronize()
     live = _live_rows(routes2)
     assert torch.equal(out[live], want[live])

@@ -70,7 +70,7 @@ def test_scope_io_logits_and_saved_of_tiny_by_hand():
 
 
 def test_slot_formula_matches_the_kernels():
-    from moegraph_kernels.gather_gemm import route_block_m
+    from moegraph_kernels.gemm_config import route_block_m
     from moegraph_kernels.route_align import num_slots
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -1,0 +1,191 @@
+"""dA (gathered dOut @ w_down) with the SwiGLU backward in its epilogue.
+
+Layout contract (S slots, BM-blocks of one expert each, see route_align.py; T tokens, H hidden,
+F ffn width, E experts; all tensors row-major with a contiguous last dimension):
+- `dact_swiglu`: dA[s] = dOut[slot_token[s]] @ w_down[e(s)] (w_down [E, H, F]) with the
+  activation backward in the epilogue: writes dY1 [S, 2F], the recomputed A [S, F] (for the
+  dW_down wgrad) and dp_part [S, cdiv(F, BN)] fp32 (`dp_tiles` columns), the per-column-tile
+  partial sums of d(route probability); the caller reduces its rows in a fixed order (no
+  atomics). CLAMPED picks the clamped SwiGLU backward.
+The gathered rows ride the A-tile load (`gathered_k_loop`, gathered_loop.py). Sentinel and
+padding rules, tile configs and the variants: gemm_config.py; launch and fallback:
+gemm_launch.py.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import gemm_launch as gl
+from . import tma
+from .gated_act import gated_backward, gated_forward
+from .gathered_loop import gathered_k_loop
+from .gemm_config import GemmConfig, dact_config
+from .route_align import RouteList
+from .slot_schedule import (live_block_list, persistent_tile, program_tile,
+                            store_zero_gated_rows)
+
+
+@triton.jit
+def _dact_swiglu_tile(
+    pid_m, pid_n, expert,
+    dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
+    dy1_ptr, act_ptr, dp_ptr, alpha, limit,
+    num_tokens, num_routes, ffn, hidden,
+    stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
+):
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    tok = tl.load(slot_token_ptr + offs_m)
+    row_ok = tok < num_tokens
+    n_ok = offs_n < ffn
+
+    d_ptrs = dout_ptr + tok.to(tl.int64)[:, None] * stride_dt + offs_k[None, :]
+    # w_down[e] is [H, F]: B[k = h, n = f], contiguous along f.
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+              + offs_k.to(tl.int64)[:, None] * stride_wk + offs_n[None, :])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # TMA: w_down as [E * H, F]; tile [BK, BN] at (e*H + k, n).
+    acc, _ = gathered_k_loop(
+        acc, acc, d_ptrs, row_ok, hidden, w_ptrs, w_ptrs, BLOCK_K * stride_wk, n_ok,
+        w_desc, expert * hidden, pid_n * BLOCK_N, 0,
+        BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=USE_TMA, B_NK=False)
+
+    # dA as autograd would hand it to the activation: rounded to the input dtype.
+    da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
+    rows = offs_m.to(tl.int64)[:, None]
+    tile_mask = row_ok[:, None] & n_ok[None, :]
+    y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
+    g = tl.load(y1_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
+    route = tl.load(slot_route_ptr + offs_m)
+    p = tl.load(weights_ptr + route, mask=route < num_routes, other=0.0).to(tl.float32)
+    dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
+    act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
+    out_mask = n_ok[None, :]
+    dy1_ptrs = dy1_ptr + rows * stride_dy1 + offs_n[None, :]
+    tl.store(dy1_ptrs, dg.to(dy1_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dy1_ptrs + ffn, du.to(dy1_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(act_ptr + rows * stride_act + offs_n[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_n, dp_part)
+
+
+@triton.jit
+def _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, row0, stride_dy1, stride_act, stride_dp, pid_n,
+                    ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The all-padding second half of a tail block: dY1, A and dp_part's column pid_n."""
+    store_zero_gated_rows(dy1_ptr, act_ptr, row0, stride_dy1, stride_act, pid_n, ffn, BLOCK_M,
+                          BLOCK_N)
+    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    tl.store(dp_ptr + rows * stride_dp + pid_n, tl.zeros((BLOCK_M,), dtype=tl.float32))
+
+
+@triton.jit
+def _dact_swiglu_kernel(
+    dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
+    block_expert_ptr, live_list_ptr, expert_counts_ptr, expert_starts_ptr, num_experts,
+    dy1_ptr, act_ptr, dp_ptr, alpha, limit, num_tokens, num_routes, num_slots, ffn, hidden,
+    stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
+    ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+    LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
+):
+    num_blocks = num_slots // BLOCK_M
+    num_pid_n = tl.cdiv(ffn, BLOCK_N)
+    if PERSISTENT:
+        live_list_ptr += tl.program_id(0) * 2 * num_blocks
+        num_live = live_block_list(block_expert_ptr, live_list_ptr, num_blocks, slot_route_ptr,
+                                   num_routes, expert_counts_ptr, expert_starts_ptr, num_experts,
+                                   num_slots, BLOCK_M, ROUTE_BLOCK, LIST_CHUNK, False, TAIL)
+        num_tiles = num_live * num_pid_n
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
+                             flatten=FLATTEN):
+            pid_m, pid_n, expert = persistent_tile(tile, live_list_ptr, num_live, num_blocks,
+                                                   num_pid_n, GROUP_M)
+            _dact_swiglu_tile(
+                pid_m, pid_n, expert, dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr,
+                slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
+                num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
+                stride_y1, stride_dy1, stride_act, stride_dp,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED)
+            if TAIL == 2:
+                _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
+                                stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
+    else:
+        pid_m, pid_n, expert, ok = program_tile(
+            tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
+            num_routes, expert_counts_ptr, expert_starts_ptr, num_slots, GROUP_M, BLOCK_M,
+            ROUTE_BLOCK, TAIL)
+        if not ok:
+            return
+        _dact_swiglu_tile(
+            pid_m, pid_n, expert, dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr,
+            slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
+            num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
+            stride_y1, stride_dy1, stride_act, stride_dp,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED)
+        if TAIL == 2:
+            _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
+                            stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers.
+
+
+def dp_tiles(ffn: int, cfg: GemmConfig) -> int:
+    """Columns of dact_swiglu's dp_part buffer."""
+    return triton.cdiv(ffn, cfg.block_n)
+
+
+def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
+                dy1_out, act_out, dp_part_out, cfg: GemmConfig | None = None, *, clamp=None):
+    """Fill dy1_out [S, 2F], act_out [S, F] and dp_part_out [S, dp_tiles] fp32 (live blocks).
+    `clamp` = (alpha, limit) picks the clamped SwiGLU backward. dp_part holds only the
+    activation's share of d(route probability): FC2's bias term is the caller's."""
+    num_tokens, hidden = dout_TH.shape
+    ffn = w_down_EHF.shape[2]
+    cfg = cfg or dact_config(ffn, routes.block_m, dout_TH.device)
+    if dp_part_out.shape[1] != dp_tiles(ffn, cfg):
+        raise ValueError(f"dp_part_out has {dp_part_out.shape[1]} columns, the tile config "
+                         f"needs {dp_tiles(ffn, cfg)}")
+    return gl.with_fallback(
+        "dact", cfg, dout_TH.device, (dout_TH.dtype, routes.block_m, hidden, ffn),
+        lambda c: _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out,
+                               act_out, dp_part_out, c, clamp))
+
+
+def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, act_out,
+                 dp_part_out, cfg, clamp=None):
+    num_tokens, hidden = dout_TH.shape
+    ffn = w_down_EHF.shape[2]
+    w_desc = None
+    # Tiles of w_down [E, H, F] past H would contract the next expert's rows: even H only.
+    if cfg.tma and tma.tma_available(dout_TH.device) and hidden % cfg.block_k == 0:
+        w_desc = tma.weight_desc(w_down_EHF, (cfg.block_k, cfg.block_n))
+    grid, live_list, meta, plan = gl.build_plan(routes, cfg, ffn, dout_TH.device,
+                                                w_desc is not None)
+
+    def launch(grid, cfg, live_list, meta, tail):
+        _dact_swiglu_kernel[grid](
+            dout_TH, w_down_EHF, w_down_EHF if w_desc is None else w_desc, y1_S2F,
+            topk_weights_N, routes.slot_token, routes.slot_route, routes.block_expert,
+            live_list, routes.expert_counts, routes.expert_starts, w_down_EHF.shape[0], dy1_out,
+            act_out, dp_part_out, *gl.act_scalars(clamp),
+            num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
+            dout_TH.stride(0), w_down_EHF.stride(0), w_down_EHF.stride(1), y1_S2F.stride(0),
+            dy1_out.stride(0), act_out.stride(0), dp_part_out.stride(0),
+            ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
+            EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+
+    gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, cfg, grid, live_list, meta, plan,
+                                           w_down_EHF.shape[0], ffn, dout_TH.device)
+    return dy1_out, act_out, dp_part_out
