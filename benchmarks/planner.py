@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from moegraph_cli.plan.calibration import lookup  # noqa: E402
-from moegraph_cli.plan.memory import run_key, step_model  # noqa: E402
+from moegraph_cli.plan.memory import step_model  # noqa: E402
+from moegraph_cli.plan.runkey import run_key  # noqa: E402
 from moegraph_cli.plan.planner import plan_command  # noqa: E402
 from moegraph_cli.train.runspec import resolve  # noqa: E402
 from moegraph_cli.units import fmt_bytes, parse_bytes  # noqa: E402

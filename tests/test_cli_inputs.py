@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from cli_util import run_cli
-from moegraph_cli.plan.memory import run_key
+from moegraph_cli.plan.runkey import run_key
 from moegraph_cli.train.runspec import resolve
 
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",

@@ -21,7 +21,7 @@ from cli_util import run_cli
 from moegraph_cli.config import SECTIONS, ModelConfig, load_profile, read_hf_config
 from moegraph_cli.errors import MoegraphError
 from moegraph_cli.plan.calibration import load_calibration
-from moegraph_cli.plan.memory import run_key
+from moegraph_cli.plan.runkey import run_key
 from moegraph_cli.plan.planfile import load_plan
 from moegraph_cli.plan.planner import load_savings, plan_command
 from moegraph_cli.train.runspec import resolve

@@ -15,7 +15,7 @@ from cli_util import run_cli
 from moegraph_cli.errors import MoegraphError, UsageError
 from moegraph_cli.report.nvml import NvmlSampler
 from moegraph_cli.plan.calibration import load_calibration, lookup, write_entry
-from moegraph_cli.plan.memory import run_key
+from moegraph_cli.plan.runkey import run_key
 from moegraph_cli.plan.planner import load_savings, plan_command
 from moegraph_cli.commands.profile import write_savings
 from moegraph_cli.train.runspec import resolve

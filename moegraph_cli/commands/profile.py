@@ -33,7 +33,7 @@ from ..graphs.scope import _as_tuple
 from ..train.harness import (attn_moe_phase, build_session, capture_into, device_info, make_trainer,
                              peaks, reset_peaks, timed_steps)
 from ..report.nvml import NvmlSampler
-from ..plan.memory import run_key
+from ..plan.runkey import run_key
 from ..distributed.context import place, ticker
 from .preflight import check_inputs
 from ..report.render import Progress
@@ -260,7 +260,8 @@ def calibrate_run(spec: RunSpec, device: torch.device) -> dict:
     its saved bytes, forward/backward peaks and private pools, then each pool strategy's pool
     bytes and one eager step's peak reserved. See plan/calibration.py for the file layout."""
     from ..models import MoeCausalLM
-    from ..plan.memory import STRATEGIES, one_layer_profile
+    from ..plan.memory import one_layer_profile
+    from ..plan.simulation import STRATEGIES
 
     prof = spec.profile
     one = one_layer_profile(prof)

@@ -2,7 +2,7 @@
 
 Written by `moegraph profile --calibrate FILE` on a GPU (profile.calibrate measures a one-layer
 copy of the model), read by `moegraph plan --calibration FILE`. One file holds entries for
-several runs; an entry is found by its key (memory.run_key: batch, seq_len, dtype, MoE mode and
+several runs; an entry is found by its key (runkey.run_key: batch, seq_len, dtype, MoE mode and
 the model's config hash). `.json` files are JSON, anything else YAML.
 
     moegraph_calibration: 1
@@ -29,7 +29,7 @@ import yaml
 
 from ..io.documents import at, check_format, is_bytes, plain, read_document, show
 from ..errors import UsageError
-from .memory import check_key, describe_key, same_run
+from .runkey import check_key, describe_key, same_run
 
 FORMAT = 1
 HINT = "write one with `moegraph profile --calibrate FILE` on a GPU"

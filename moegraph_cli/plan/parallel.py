@@ -1,11 +1,11 @@
 """Memory of ONE rank of a distributed run (dist/): what `moegraph plan --nproc W --ep P`
 predicts. Nothing here allocates; memory.step_model uses it when W > 1 (W = P = 1 is the
-single process, modelled by memory.py alone).
+single process, modelled without this file).
 
 The run (dist/model.py, moe/ep.py, graphs/params.py), per rank, T = batch * seq_len tokens of
 its own (run.batch is per rank), b bytes per element of the run dtype:
 - Experts: E_l = E / P of every MoE layer's experts, plain tensors: weights, `.grad` and the
-  two AdamW states, 4 copies in b (as memory.static_memory counts a single process).
+  two AdamW states, 4 copies in b (as summary.static_memory counts a single process).
 - Dense parameters (embedding, lm head, attention, norms, router, dense MLP layers): FSDP2
   `fully_shard` on dim 0 over all W ranks, by torch.chunk rules: rank 0 holds ceil(rows / W)
   rows of every tensor, the most, so the plan is for rank 0. Sharded weight, grad and AdamW
@@ -30,7 +30,7 @@ its own (run.batch is per rank), b bytes per element of the run dtype:
   parameter; moe: router and post norm; mlp: the whole dense MLP), unsharded, in b, outside
   the pools, for the run; each backward replay returns a clone of the grads (the layer's
   unsharded grads FSDP2 then reduce-scatters). Expert weights are read in place.
-Pools, I/O buffers, fragmentation, runtime workspaces and headroom are memory.py's.
+Pools, I/O buffers, fragmentation, runtime workspaces and headroom are simulation.py's.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from ..io.checkpoint import moegraph_shapes
 from ..config import Profile
 from ..report.summary import DTYPE_BYTES, layer_shapes
-from .memory import (ScopeMemory, _first_moe_layer, _param_bytes, expert_slots, loss_moments,
-                     rms_saved, route_block, shared_expert_memory)
+from .scope_memory import (ScopeMemory, expert_slots, first_moe_layer, loss_moments,
+                           param_bytes, rms_saved, route_block, shared_expert_memory)
 
 EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down", "moe.b_gate_up", "moe.b_down")
 
@@ -142,7 +142,7 @@ class FsdpLayout:
 
     # -- the eager part of the step -----------------------------------------------------
     def eager_dynamic(self, model, captured) -> tuple[int, str]:
-        """memory.StepModel._eager_dynamic with the FSDP2 working set; the moments of a
+        """simulation.StepModel._eager_dynamic with the FSDP2 working set; the moments of a
         captured scope are its all-gather (forward) and its gradient clone (backward)."""
         t, b = model.tail, self.b
         root = self.b * self.root.numel
@@ -262,7 +262,8 @@ def static_per_rank(prof: Profile, parallel: Parallel) -> tuple[dict[str, int], 
 
 def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") -> ScopeMemory:
     """The moe scope of one EP rank (moe/ep.ep_moe), P > 1. Per rank: T source tokens (routed
-    here: norm, router, top-k as memory.moe_memory), R = P*T received rows, E_l local experts.
+    here: norm, router, top-k as scope_memory.moe_memory), R = P*T received rows, E_l local
+    experts.
 
     Forward: the all-gathers of x [T, H], the top-k weights [T, k] and the ids [T, k] give
     x_RH, w_RK (both saved: the experts read them in backward) and ids_RK; the owned mask
@@ -294,7 +295,7 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
     backend = prof.moe.backend
     if backend == "auto":
         backend = "permute_free" if device_type == "cuda" else "reference"
-    full = _param_bytes(prof, _first_moe_layer(prof), "moe.")
+    full = param_bytes(prof, first_moe_layer(prof), "moe.")
     expert_bytes = b * E * 3 * F * H
     params = full - expert_bytes + expert_bytes // P  # router, post norm, E_l experts
     ids = 17 * NR  # ids_RK (int64), the owned mask (bool), local ids (int64)

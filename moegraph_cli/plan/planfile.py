@@ -28,8 +28,8 @@ import yaml
 from ..config import Profile
 from ..io.documents import at, check_format, is_bytes, is_int, plain, read_document, show
 from ..errors import UsageError
-from .memory import (STRATEGIES, check_key, describe_key, describe_ranks, ranks_of, run_key,
-                     same_run)
+from .runkey import check_key, describe_key, describe_ranks, ranks_of, run_key, same_run
+from .simulation import STRATEGIES
 
 FORMAT = 1
 HINT = "write one with `moegraph plan --out`"

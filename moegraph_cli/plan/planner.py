@@ -7,7 +7,7 @@ predicted peak hardly depends on which layers are chosen, only on how many and o
 (consecutive captured scopes share their I/O buffers). So a candidate is a pair (a, m): attn
 captured on layers [0, a) and the MoE/MLP scope on layers [0, m), contiguous, which maximises
 chaining. Every pair (restricted by the requested scopes) and every allowed strategy is
-simulated (memory.StepModel.predict); the answer is the candidate saving the most time whose
+simulated (simulation.StepModel.predict); the answer is the candidate saving the most time whose
 predicted peak fits the budget, ties broken by the smaller peak, then by strategy order
 (shared, per_scope, per_entry). The candidate set does not depend on the budget, so more
 budget never saves less time, and a plan never predicts over its budget.
@@ -34,10 +34,12 @@ from ..errors import MoegraphError, NotCapturableError, UsageError
 from ..train.runspec import RunSpec
 from ..units import fmt_bytes, parse_bytes
 from .calibration import lookup
-from .memory import (FRAGMENTATION, KIND_OF_SCOPE, STRATEGIES, Prediction, ScopeRef, StepModel,
-                     check_key, describe_key, run_key, same_run, step_model)
+from .memory import step_model
 from .parallel import Parallel
 from .planfile import Plan, write_plan
+from .runkey import check_key, describe_key, run_key, same_run
+from .simulation import (FRAGMENTATION, KIND_OF_SCOPE, STRATEGIES, Prediction, ScopeRef,
+                         StepModel)
 
 AUTO_FRACTION = 0.9  # --budget auto: this share of the device's total memory
 # Host cost of one kernel launch that a replay removes (cudaLaunchKernel / cuLaunchKernel plus

@@ -12,8 +12,11 @@ import torch
 
 from moegraph_cli.config import load_profile
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.plan.memory import (MEDIUM_SEGMENT, MEDIUM_SEGMENTS_PER_POOL, ScopeMemory, StepModel, attn_memory, expert_slots,
-                                      moe_memory, route_block, scope_refs, step_model)
+from moegraph_cli.plan.memory import step_model
+from moegraph_cli.plan.scope_memory import (ScopeMemory, attn_memory, expert_slots, moe_memory,
+                                            route_block)
+from moegraph_cli.plan.simulation import (MEDIUM_SEGMENT, MEDIUM_SEGMENTS_PER_POOL, StepModel,
+                                          scope_refs)
 
 MiB = 2**20
 
@@ -320,7 +323,7 @@ def test_sink_attention_priced_at_its_padded_head_dim():
     the pad the attention itself uses."""
     from moegraph_cli.config import load_profile
     from moegraph_cli.models.common.sinks import PAD
-    from moegraph_cli.plan import memory
+    from moegraph_cli.plan import scope_memory as memory
 
     assert memory.SINK_PAD == PAD
     prof = load_profile("tiny-gpt-oss")

@@ -19,9 +19,11 @@ from gloo_util import run_gloo
 
 from moegraph_cli.config import load_profile
 from moegraph_cli.errors import UsageError
-from moegraph_cli.plan.memory import MEDIUM_SEGMENT, MEDIUM_SEGMENTS_PER_POOL
-from moegraph_cli.plan.memory import (FRAGMENTATION, STRATEGIES, rms_saved, run_key, same_run,
-                                      step_model)
+from moegraph_cli.plan.memory import step_model
+from moegraph_cli.plan.runkey import run_key, same_run
+from moegraph_cli.plan.scope_memory import rms_saved
+from moegraph_cli.plan.simulation import (FRAGMENTATION, MEDIUM_SEGMENT, MEDIUM_SEGMENTS_PER_POOL,
+                                          STRATEGIES)
 from moegraph_cli.plan.parallel import Parallel, moe_memory_ep, shard_numel, static_per_rank
 from moegraph_cli.plan.planfile import load_plan
 from moegraph_cli.plan.planner import plan_command

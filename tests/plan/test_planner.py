@@ -15,7 +15,9 @@ from cli_util import run_cli
 
 from moegraph_cli.config import load_profile
 from moegraph_cli.errors import MoegraphError, UsageError
-from moegraph_cli.plan.memory import STRATEGIES, run_key, step_model
+from moegraph_cli.plan.memory import step_model
+from moegraph_cli.plan.runkey import run_key
+from moegraph_cli.plan.simulation import STRATEGIES
 from moegraph_cli.plan.planfile import load_plan
 from moegraph_cli.plan.planner import Savings, choose, estimated_savings, plan_command
 from moegraph_cli.train.runspec import resolve

@@ -1,0 +1,259 @@
+"""Memory of one scope (attn, moe, mlp) of a step, and of the loss tail: the analytical
+formulas the step model (memory.py, simulation.py) is built from. They read configs; nothing
+here allocates.
+
+Notation: b bytes per element of the model dtype, T = batch * seq_len tokens, H hidden, V vocab,
+nh / nkv heads, D head_dim, Q = nh*D, KV = nkv*D, E experts, k top-k, F moe_intermediate,
+I dense intermediate, S expert slots (dropless (cdiv(T*k, BM) + E)*BM, capacity
+E*round_up(C, BM), BM the slot block), N = T*k routes.
+
+Parameters come from the family's key map (summary.layer_shapes), so biases, q/k norms and a
+shared expert are counted wherever a family has them; the attention variants (clip_qkv,
+sliding window) and a shared expert add their activations below.
+
+Per scope (one of attn, moe, mlp) the model counts, in bytes:
+- saved: tensors autograd keeps from forward to backward (parameters and the rope tables
+  excluded; the scope's input is excluded too and flagged by `saves_input`, which holds in
+  fp32 where `x.float()` returns `x` itself). Exact for both expert paths; checked against
+  `saved_tensors_hooks` in tests/plan/test_memory.py (the Triton one under its interpreter).
+- out / in_grad: the scope's output(s) and its input's gradient ([B,S,H]; moe adds its
+  [2,E] fp32 router statistics).
+- fwd_transient: the forward's peak above saved + out (short-lived temporaries).
+- bwd_transient: the backward's peak above what was live before it. It includes the input
+  gradient and, where gradients are returned rather than written (a distributed rank's FSDP2
+  parameters, the reference experts), every parameter gradient of the scope (for moe the
+  expert grads [E,2F,H] and [E,H,F]); in one process they are written straight into `.grad`
+  (grads.py) and memory.written_grads takes them out.
+Transients are upper estimates from the largest temporaries alive together; a calibration
+(measured on the GPU by `moegraph profile --calibrate`) replaces all of these numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..config import Profile
+from ..report.summary import DTYPE_BYTES, layer_shapes
+
+
+@dataclass
+class ScopeMemory:
+    kind: str
+    saved: int
+    out: int
+    in_grad: int
+    fwd_transient: int
+    bwd_transient: int
+    param_grads: int
+    saves_input: bool = False
+    source: str = "analytical"
+    # Measured private pools of one scope (per_entry), from a calibration: (fwd, bwd).
+    private_pools: tuple[int, int] | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def route_block(num_routes: int, num_experts: int, device_type: str) -> int:
+    """Slot block BM; mirrors kernels/gemm_config.route_block_m (a test keeps them equal)."""
+    if device_type != "cuda":
+        return 16
+    return 128 if num_routes >= 256 * num_experts else 64
+
+
+def expert_slots(num_tokens: int, top_k: int, num_experts: int, block: int,
+                 capacity: int | None) -> int:
+    """S of kernels/route_align.num_slots: padded slot count for a dispatch mode."""
+    if capacity is None:
+        return (-(-num_tokens * top_k // block) + num_experts) * block
+    return num_experts * (-(-capacity // block) * block)
+
+
+def rms_saved(rows: int, width: int, b: int, input_external: bool) -> int:
+    """moegraph's rms_norm saves x.float() (the input itself in fp32), rsqrt [rows, 1] fp32
+    and the normalised value in the model dtype (the weight multiply's other operand)."""
+    upcast = 0 if (b == 4 and input_external) else 4 * rows * width
+    return upcast + 4 * rows + b * rows * width
+
+
+SINK_PAD = 8  # common/sinks.PAD (not imported: the planner runs without torch)
+
+
+def attn_memory(prof: Profile) -> ScopeMemory:
+    c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    H, D, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    Q = nh * D
+    shapes = layer_shapes(c, 0)
+    if "attn.kv_b_proj.weight" in shapes:
+        return mla_memory(prof)
+    # With sinks (GPT-OSS, common/sinks.py) SDPA runs at head dim D + PAD over S + 1 keys.
+    sdpa_dim = D + SINK_PAD if "attn.sinks" in shapes else D
+    saved = (rms_saved(T, H, b, True) + b * T * H  # input norm; its output y (q/k/v input)
+             + 4 * b * T * nh * sdpa_dim  # SDPA's q, k, v (GQA-expanded) and its output
+             + 4 * T * nh)  # SDPA's logsumexp
+    for name, heads in (("attn.q_norm.weight", nh), ("attn.k_norm.weight", nkv)):
+        if name in shapes:  # the family's q/k norm: per head ([D]) or over the projection
+            width = shapes[name][0]
+            saved += rms_saved(T * heads * D // width, width, b, False)
+    if c.clip_qkv is not None:  # each clamp keeps its input
+        saved += b * T * (Q + 2 * nkv * D)
+    if c.sliding_window is not None and prof.run.seq_len > c.sliding_window:
+        saved += b * prof.run.seq_len ** 2  # SDPA keeps the window as an additive [S, S] mask
+    params = param_bytes(prof, 0, "attn.")
+    wide = max(H, Q)
+    fwd = (4 + b) * T * wide  # rms_norm's fp32 temporaries next to the projection output
+    bwd = (b * T * H + params + b * T * Q
+           + max(3 * b * T * Q + 4 * T * Q + 4 * T * nh, 12 * T * wide))
+    return ScopeMemory("attn", saved, b * T * H, b * T * H, fwd, bwd, params,
+                       saves_input=b == 4)
+
+
+def mla_memory(prof: Profile) -> ScopeMemory:
+    """Multi-head latent attention (common/mla.py; DeepSeek-V3). Rq the q LoRA rank (none:
+    a plain q_proj), R kv_lora_rank, r the rope part, Dp = max(q/k head dim, v_head_dim) the
+    width SDPA runs at (v or q/k zero-padded). Saved: the input norm and y; the q LoRA norm and
+    its output; the kv latent norm (its fp32 input: in fp32 the whole [T, R + r] projection
+    it is a view of) and its output; SDPA's padded q, k, v and output and its logsumexp; the
+    o projection's input [T, nh * v_head_dim] (a copy: the output is sliced)."""
+    c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    H, nh, R, r = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    Dp = max(c.qk_nope_head_dim + r, c.v_head_dim)
+    Q, V = nh * Dp, nh * c.v_head_dim
+    saved = rms_saved(T, H, b, True) + b * T * H
+    if c.q_lora_rank is not None:
+        saved += rms_saved(T, c.q_lora_rank, b, False) + b * T * c.q_lora_rank
+    saved += (4 * T * (R + r) if b == 4 else 4 * T * R) + 4 * T + 2 * b * T * R
+    saved += 4 * b * T * Q + 4 * T * nh + b * T * V
+    params = param_bytes(prof, 0, "attn.")
+    wide = max(H, Q, nh * (c.qk_nope_head_dim + c.v_head_dim))
+    fwd = (4 + b) * T * wide + 2 * b * T * Q  # fp32 norm temporaries; q/k before padding
+    bwd = (b * T * H + params + b * T * Q
+           + max(3 * b * T * Q + 4 * T * Q + 4 * T * nh, 12 * T * wide))
+    return ScopeMemory("attn", saved, b * T * H, b * T * H, fwd, bwd, params,
+                       saves_input=b == 4)
+
+
+def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
+    c, run, b = prof.model, prof.run, DTYPE_BYTES[prof.run.dtype]
+    T, H, E, k, F = run.batch * run.seq_len, c.hidden_size, c.num_experts, \
+        c.num_experts_per_tok, c.moe_intermediate_size
+    N = T * k
+    capacity = None
+    if prof.moe.capacity is not None:
+        capacity = max(1, math.ceil(N * prof.moe.capacity / E))
+    saved = rms_saved(T, H, b, True) + b * T * H  # post norm; x_TH (router and experts)
+    saved += 4 * T * E + 8 * N  # softmax (or sigmoid) probs (fp32), top-k indices (int64)
+    if c.norm_topk_prob:
+        saved += 4 * N + 4 * T  # renormalisation's operands: fp32 top-k values and their sum
+    if "moe.e_score_correction_bias" in layer_shapes(c, first_moe_layer(prof)):
+        # the grouped sigmoid router (DeepSeek-V3): the per-token score sum of its
+        # statistics; below fp32, the fp32 copies of x and the router weight its logits read
+        saved += 4 * T + (0 if b == 4 else 4 * T * H + 4 * E * H)
+    backend = prof.moe.backend
+    if backend == "auto":
+        backend = "permute_free" if device_type == "cuda" else "reference"
+    params = param_bytes(prof, first_moe_layer(prof), "moe.")
+    if backend == "reference":
+        # (capacity_keep_TK's sort saves its indices, but nothing differentiable uses the
+        # sorted values, so that node and its indices are freed at once.)
+        routes = N if capacity is None else min(N, E * capacity)
+        # per route: nonzero's (token, j) int64, gathered x, 8F of fp32 gate/up (or Y1 in
+        # fp32), silu(gate) and silu*up in fp32, the fp32 probability, the act in b.
+        saved += routes * (16 + b * H + 16 * F + 4 + b * F)
+        fwd = 2 * b * N * H + 8 * T * H  # two [T,k,H] index_put copies, fp32 combine
+        bwd = b * T * H + params + 2 * b * N * H + 12 * T * H
+    else:
+        S = expert_slots(T, k, E, route_block(N, E, device_type), capacity)
+        block = route_block(N, E, device_type)
+        saved += b * N  # the top-k weights the experts read (model dtype)
+        saved += b * S * 2 * F  # Y1, the only F-scale tensor kept
+        saved += 8 * (S + 1) + 4 * (S // block) + 4 * N + 8 * E + 8  # the RouteList
+        fwd = max((4 + b) * T * H, b * S * F + b * S * H) + b * T * H  # act + Y2; combine out
+        dp_part = 4 * S * max(1, F // 128)
+        bwd = (b * T * H + params + b * S * 2 * F  # dx, all grads, dY1
+               + max(b * S * F + dp_part, b * S * H) + b * T * H + 4 * T * E)
+    shared = shared_expert_memory(prof)
+    return ScopeMemory("moe", saved + shared[0], b * T * H + 8 * E, b * T * H, fwd + shared[1],
+                       bwd + shared[2], params, saves_input=b == 4)
+
+
+def shared_expert_memory(prof: Profile) -> tuple[int, int, int]:
+    """(saved, fwd, bwd) a moe scope adds for a shared expert of width Sh (0 without one):
+    gate, silu(gate), up and their product [T, Sh]; sigmoid(gate logit) [T, 1] and the shared
+    output [T, H] (the scaling multiply's operands). Its input is x_TH, saved already. Forward:
+    the sum with the routed output [T, H]; backward: the [T, Sh] gradients and dx [T, H]
+    (its weight gradients are in the scope's parameter bytes)."""
+    c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    width, H = c.shared_expert_width, c.hidden_size
+    if width == 0:
+        return 0, 0, 0
+    if "moe.shared_expert_gate.weight" not in layer_shapes(c, first_moe_layer(prof)):
+        # ungated (DeepSeek-V3): no sigmoid multiply, nothing beyond its own four tensors
+        return 4 * b * T * width, b * T * H + b * T * width, 3 * b * T * width + 2 * b * T * H
+    saved = 4 * b * T * width + b * T * H + b * T
+    return saved, b * T * H + b * T * width, 3 * b * T * width + 2 * b * T * H
+
+
+def mlp_memory(prof: Profile) -> ScopeMemory:
+    c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    H, inter = c.hidden_size, c.intermediate_size
+    saved = rms_saved(T, H, b, True) + b * T * H + 4 * b * T * inter  # g, silu(g), u, g*u
+    dense = [i for i in range(c.num_hidden_layers) if not c.is_moe_layer(i)]
+    params = param_bytes(prof, dense[0], "mlp.") if dense else 0
+    fwd = (4 + b) * T * H + b * T * inter
+    bwd = b * T * H + params + 3 * b * T * inter + 12 * T * H
+    return ScopeMemory("mlp", saved, b * T * H, b * T * H, fwd, bwd, params,
+                       saves_input=b == 4)
+
+
+def tail_memory(prof: Profile, sinks: bool = True) -> dict[str, int]:
+    """Final norm, lm head and loss.linear_cross_entropy (the trainers' keep_logits=False):
+    the logits [T, V] in the model dtype are the only [T, V] tensor; their gradient
+    overwrites them in backward; fp32 exists per row only (lse, per-token loss). `sinks`
+    (one process): the lm head's dW is written into `.grad` by its GEMM, else returned."""
+    c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    H, V = c.hidden_size, c.vocab_size
+    return {
+        "norm_saved": rms_saved(T, H, b, True) + b * T * H + 8 * T,  # + lm-head input, labels
+        "logits": b * T * V,
+        "loss_fwd_transient": 8 * T,  # per-token loss and the shifted labels
+        "loss_saved": 4 * T + 8 * T,  # lse, labels
+        "loss_bwd_transient": 0,  # dlogits are written over the logits
+        # dX, and the lm head's dW where it is returned rather than written
+        "head_bwd_transient": b * T * H + (0 if sinks else b * V * H),
+        "embed_bwd_transient": b * V * H + 4 * T * H + 32 * T,  # dense grad, fp32 partials
+    }
+
+
+def loss_moments(t: dict[str, int], live: int, peak: int, where: str) -> tuple[int, int, str]:
+    """Final norm, lm head and loss over `live` bytes: (live after them, peak, where). The
+    logits live from the head's forward to its backward (the trainers keep none), their
+    gradient written over them."""
+    live += t["norm_saved"] + t["logits"]
+    if live + t["loss_fwd_transient"] > peak:
+        peak, where = live + t["loss_fwd_transient"], "loss forward"
+    live += t["loss_saved"]
+    if live + t["loss_bwd_transient"] > peak:
+        peak, where = live + t["loss_bwd_transient"], "loss backward"
+    if live + t["head_bwd_transient"] > peak:
+        peak, where = live + t["head_bwd_transient"], "lm-head backward"
+    live -= t["norm_saved"] + t["loss_saved"] + t["logits"]
+    return live, peak, where
+
+
+def first_moe_layer(prof: Profile) -> int:
+    for i in range(prof.model.num_hidden_layers):
+        if prof.model.is_moe_layer(i):
+            return i
+    return 0
+
+
+def param_bytes(prof: Profile, layer: int, prefix: str) -> int:
+    b = DTYPE_BYTES[prof.run.dtype]
+    n = 0
+    for name, shape in layer_shapes(prof.model, layer).items():
+        if name.startswith(prefix):
+            n += math.prod(shape)
+    return n * b
