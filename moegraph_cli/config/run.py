@@ -11,6 +11,8 @@ from ..io.documents import show
 from .fields import MAX_SEED, check_int_sizes, invalid
 
 
+# What recompute may do to one scope, per scope kind (models/common/recompute.py).
+SCOPE_MODES = {"attn": ("none", "full"), "moe": ("none", "full", "fc1"), "mlp": ("none", "full")}
 # run.recompute -> each layer's {scope kind: mode} (auto and none: nothing forced).
 RECOMPUTE = {
     "auto": {}, "none": {},

@@ -153,14 +153,14 @@ class FsdpLayout:
             peak, where = live, "embedding"
         kept: list[int] = []
         prev_eager = True
-        for ref, cap in zip(model.scopes, captured):
+        for i, (ref, cap) in enumerate(zip(model.scopes, captured)):
             ws = self.working_set(ref.layer, +1)
             if cap:
                 top, label = live + ws, f"forward of {ref.name} (FSDP all-gather)"
                 kept.append(0)
                 prev_eager = False
             else:
-                m = model.kinds[ref.kind]
+                m = model.memory(i)
                 top, label = live + ws + m.saved + m.out + m.fwd_transient, \
                     f"forward of {ref.name}"
                 keep = m.saved + (model.stream if m.saves_input and prev_eager else 0)
@@ -180,7 +180,7 @@ class FsdpLayout:
                 top = live + ws + grads + b * self.kind_dense.get(ref.kind, 0)
                 label = f"backward of {ref.name} (gradient clone)"
             else:
-                top = live + ws + grads + model.kinds[ref.kind].bwd_transient
+                top = live + ws + grads + model.memory(i).bwd_transient
                 label = f"backward of {ref.name}"
             if top > peak:
                 peak, where = top, label
@@ -303,7 +303,8 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
     if backend == "reference":
         routes = NR if capacity is None else min(NR, E_l * P * capacity)
         routes = min(routes, R * min(k, E_l))
-        saved += routes * (16 + b * H + 16 * F + 4 + b * F)
+        fc1_saved, fc1_transient = routes * (16 + b * H + 16 * F + 4 + b * F), 0
+        saved += fc1_saved
         fwd = max(2 * b * NR * H + 8 * R * H + b * R * H, combine) + b * T * H + ids
         bwd = (b * T * H + params + 4 * T * E
                + max(b * R * H + 2 * b * NR * H + 12 * R * H, combine + 2 * b * NR))
@@ -317,6 +318,7 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
             S = expert_slots(NR, 1, E_l, block, P * capacity)
         saved += b * R * H + b * NR  # x_RH, w_RK
         saved += b * S * 2 * F  # Y1
+        fc1_saved, fc1_transient = b * S * 2 * F, b * S * F
         saved += 8 * (S + 1) + 4 * (S // block) + 4 * NR + 8 * E_l + 8  # the RouteList
         # experts: act + Y2 + the partial [R, H]; then the combine
         fwd = max((4 + b) * T * H, b * S * F + b * S * H + b * R * H, combine) + b * T * H + ids
@@ -327,5 +329,6 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
         bwd = b * T * H + params + max(experts_bwd, combine + 2 * b * NR) + 4 * T * E
     shared = shared_expert_memory(prof)
     return ScopeMemory("moe", saved + shared[0], b * T * H + 8 * E, b * T * H, fwd + shared[1],
-                       bwd + shared[2], params, saves_input=b == 4)
+                       bwd + shared[2], params, saves_input=b == 4, fc1_saved=fc1_saved,
+                       fc1_transient=fc1_transient)
 

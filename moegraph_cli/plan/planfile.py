@@ -7,7 +7,8 @@
     pools: {shared: B}              # predicted bytes per pool, named as GraphSession.pools()
     layers:
     - {layer: 0, scopes: [attn, moe], pool: shared,
-       groups: {layers.0.attn: shared, layers.0.moe: shared}, predicted_bytes: B}
+       groups: {layers.0.attn: shared, layers.0.moe: shared}, predicted_bytes: B,
+       recompute: {attn: full, moe: fc1}}   # optional; absent or {}: none
     left_out: ["moe on layers 6-11: ..."]
 
 `groups` maps a model scope name (layers.N.attn, layers.N.moe or layers.N.mlp) to its pool
@@ -28,6 +29,7 @@ import yaml
 from ..config import Profile
 from ..io.documents import at, check_format, is_bytes, is_int, plain, read_document, show
 from ..errors import UsageError
+from ..config.run import SCOPE_MODES
 from .runkey import check_key, describe_key, describe_ranks, ranks_of, run_key, same_run
 from .simulation import STRATEGIES
 
@@ -55,6 +57,12 @@ class Plan:
         for layer in self.layers:
             out.update(layer.get("groups") or {})
         return out
+
+    def layer_recompute(self) -> dict[int, dict[str, str]]:
+        """Layer -> {scope kind: recompute mode} (models/common/recompute.set_recompute);
+        every layer of the plan is listed, {} for none."""
+        return {int(layer["layer"]): dict(layer.get("recompute") or {})
+                for layer in self.layers}
 
     def predicted_pool_bytes(self) -> dict[str, int]:
         return dict(self.pools)
@@ -125,6 +133,7 @@ def load_plan(path: str | Path, profile: Profile, world: int = 1, ep: int = 1) -
         if not isinstance(scopes, list) or any(s not in ("attn", "moe") for s in scopes):
             raise UsageError(f"{at(where, item, 'scopes')}: layer {layer} has scopes "
                              f"{show(scopes)}; expected a list of attn, moe")
+        _check_recompute(where, item, profile, layer)
         groups = item.get("groups")
         if groups is None:
             continue
@@ -147,6 +156,21 @@ def load_plan(path: str | Path, profile: Profile, world: int = 1, ep: int = 1) -
                 pools={k: int(v) for k, v in raw["pools"].items()},
                 predicted_peak=raw["predicted_peak"], budget=raw.get("budget"),
                 extra=plain(extra))
+
+
+def _check_recompute(where: str, item: dict, profile: Profile, layer: int) -> None:
+    modes = item.get("recompute")
+    if modes is None:
+        return
+    kinds = ["attn", "moe" if profile.model.is_moe_layer(layer) else "mlp"]
+    if not isinstance(modes, dict):
+        raise UsageError(f"{at(where, item, 'recompute')}: layer {layer} has recompute "
+                         f"{show(modes)}; expected a mapping of scope kind to mode")
+    for kind, mode in modes.items():
+        if kind not in kinds or mode not in SCOPE_MODES[kind]:
+            allowed = "; ".join(f"{k}: {', '.join(SCOPE_MODES[k])}" for k in kinds)
+            raise UsageError(f"{at(where, modes, kind)}: layer {layer} recompute "
+                             f"{show(kind)}: {show(mode)} is not one of ({allowed})")
 
 
 def _scope_names(profile: Profile, layer: int) -> list[str]:

@@ -23,6 +23,7 @@ carries W and P, so `capture` refuses it for any other layout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,18 +38,13 @@ from .calibration import lookup
 from .memory import step_model
 from .parallel import Parallel
 from .planfile import Plan, write_plan
+from .costs import LAUNCH_US, LAUNCHES
+from .recompute import cost_ms, ladder, modes_at
 from .runkey import check_key, describe_key, run_key, same_run
 from .simulation import (FRAGMENTATION, KIND_OF_SCOPE, STRATEGIES, Prediction, ScopeRef,
                          StepModel)
 
 AUTO_FRACTION = 0.9  # --budget auto: this share of the device's total memory
-# Host cost of one kernel launch that a replay removes (cudaLaunchKernel / cuLaunchKernel plus
-# PyTorch's dispatch of the op is more; 4-6 us is the launch alone on H100/H200-class hosts).
-LAUNCH_US = 5.0
-# Eager kernels of one scope's forward + backward. attn and mlp: non-view ATen ops counted
-# with a TorchDispatchMode on the tiny profile (attn 122). moe: its norm/router/aux ops (~57)
-# plus the permute-free path (RouteList build ~30 ops, 3 forward and ~10 backward launches).
-LAUNCHES = {"attn": 120, "moe": 100, "mlp": 50}
 
 
 @dataclass
@@ -126,11 +122,52 @@ class Choice:
     saved_ms: float
     n_attn: int
     n_ffn: int
+    modes: tuple[str, ...] = ()  # per scope: its recompute mode
+    recompute_ms: float = 0.0  # the extra time the recompute costs (estimate)
+
+    @property
+    def net_ms(self) -> float:
+        return self.saved_ms - self.recompute_ms
+
+
+def _with_modes(model: StepModel, modes: tuple[str, ...]) -> StepModel:
+    return dataclasses.replace(model, recompute=modes)
+
+
+def fit(model: StepModel, captured, strategy: str, budget: int, base: tuple[str, ...],
+        steps: list) -> tuple[tuple[str, ...], Prediction] | None:
+    """The fewest recompute steps of the ladder (recompute.py) under which this capture
+    choice fits the budget, and its prediction; None when even the whole ladder does not.
+    Memory falls along the ladder, so a binary search over its length finds the prefix."""
+    def predict(n):
+        modes = modes_at(base, steps, n)
+        return modes, _with_modes(model, modes).predict(captured, strategy)
+
+    first = predict(0)
+    if first[1].required <= budget:
+        return first
+    if not steps:
+        return None
+    lo, hi = 0, len(steps)
+    best = predict(hi)
+    if best[1].required > budget:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = predict(mid)
+        if got[1].required <= budget:
+            hi, best = mid, got
+        else:
+            lo = mid
+    return best
 
 
 def choose(model: StepModel, budget: int, scopes: list[str], strategies: list[str],
-           savings: Savings) -> Choice | None:
-    """The best candidate under `budget` (None when even capturing nothing does not fit)."""
+           savings: Savings, recompute: str = "auto") -> Choice | None:
+    """The best candidate under `budget` (None when even capturing nothing, with all the
+    recompute `recompute` allows, does not fit): the most time saved by graphs net of what
+    the recompute it needs costs."""
+    base, steps = ladder(model, recompute)
     layers = model.prof.model.num_hidden_layers
     attn_opts = range(layers + 1) if "attn" in scopes else [0]
     ffn_opts = range(layers + 1) if "moe" in scopes else [0]
@@ -143,14 +180,17 @@ def choose(model: StepModel, budget: int, scopes: list[str], strategies: list[st
     cands.sort(key=lambda c: -c[0])
     best: Choice | None = None
     for saved, a, m, cap in cands:
-        if best is not None and saved < best.saved_ms - 1e-9:
-            break
+        if best is not None and saved < best.net_ms - 1e-9:
+            break  # recompute only subtracts: nothing further down can beat the best
         for strategy in (strategies if any(cap) else strategies[:1]):
-            p = model.predict(cap, strategy)
-            if p.required > budget:
+            got = fit(model, cap, strategy, budget, base, steps)
+            if got is None:
                 continue
-            if best is None or saved > best.saved_ms + 1e-9 or p.peak < best.prediction.peak:
-                best = Choice(p, saved, a, m)
+            modes, p = got
+            c = Choice(p, saved, a, m, modes, cost_ms(model, modes, cap))
+            if best is None or c.net_ms > best.net_ms + 1e-9 or \
+                    (c.net_ms > best.net_ms - 1e-9 and p.peak < best.prediction.peak):
+                best = c
     return best
 
 
@@ -241,7 +281,11 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
     scopes = list(prof.run.scopes)
 
     static = model.static["total"]
-    eager_only = model.predict((False,) * len(model.scopes), strategies[0]).required
+    none = (False,) * len(model.scopes)
+    base, steps = ladder(model, prof.run.recompute)
+    # the least a step can need: nothing captured, every recompute the request allows
+    floor_modes = modes_at(base, steps, len(steps))
+    floor = _with_modes(model, floor_modes).predict(none, strategies[0])
     if scopes == ["step"]:
         return _plan_step(model, prof, spec, key, budget_bytes, budget_note, memory_source,
                           out, parallel)
@@ -251,15 +295,15 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
         raise MoegraphError(f"budget {fmt_bytes(budget_bytes)} is below the static memory of "
                             f"{prof.name}{rank} (weights, grads, AdamW states and buffers: "
                             f"{fmt_bytes(static)}); the smallest budget that fits a step is "
-                            f"{fmt_bytes(eager_only)}")
+                            f"{fmt_bytes(floor.required)}")
     # every candidate's peak includes the eager phase: below it nothing fits, skip the search
-    best = choose(model, budget_bytes, scopes, strategies, gains) \
-        if budget_bytes >= eager_only else None
+    best = choose(model, budget_bytes, scopes, strategies, gains, prof.run.recompute) \
+        if budget_bytes >= floor.required else None
     if best is None:
-        raise MoegraphError(f"budget {fmt_bytes(budget_bytes)} does not fit one training step of "
-                            f"{prof.name}{rank} even with nothing captured; the smallest budget "
-                            f"that fits is {fmt_bytes(eager_only)}")
+        raise MoegraphError(_nothing_fits(model, prof.name + rank, budget_bytes, floor,
+                                          floor_modes, prof.run.recompute))
     p = best.prediction
+    chosen_model = _with_modes(model, best.modes)
     strategy = p.strategy if any(p.captured) else None
     groups_of = _groups(model, p.captured, strategy)
     layers = []
@@ -272,10 +316,12 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
             "pool": strategy if chosen else None,
             "groups": {r.name: groups_of[r.name] for r in chosen},
             "predicted_bytes": sum(p.scope_bytes.get(r.name, 0) for r in chosen),
+            "recompute": {r.kind: best.modes[i] for i, r in refs
+                          if best.modes and best.modes[i] != "none"},
         })
     candidates = []
     for s in strategies:
-        c = choose(model, budget_bytes, scopes, [s], gains)
+        c = choose(model, budget_bytes, scopes, [s], gains, prof.run.recompute)
         candidates.append({"pool": s, "saved_ms": c.saved_ms if c else None,
                            "predicted_peak": c.prediction.peak if c else None})
     result = {
@@ -297,8 +343,10 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
         "graph_phase_peak": p.graph_phase_peak, "eager_phase_peak": p.eager_phase_peak,
         "worst_moment": p.worst_moment, "fragmentation": model.fragmentation,
         "saved_ms": best.saved_ms, "candidates": candidates,
-        "left_out": left_out(model, best, budget_bytes, scopes, strategy or strategies[0],
-                             gains),
+        "recompute_request": prof.run.recompute, "recompute_ms": best.recompute_ms,
+        "recompute_why": _recompute_why(model, best, budget_bytes, strategies),
+        "left_out": left_out(chosen_model, best, budget_bytes, scopes,
+                             strategy or strategies[0], gains),
         "scope_memory": {k: v.to_dict() for k, v in model.kinds.items()
                          if any(r.kind == k for r in model.scopes)},
         "out": out,
@@ -308,10 +356,53 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
                                         "eager_peak", "pool_bytes", "io_bytes",
                                         "graph_phase_peak", "eager_phase_peak", "saved_ms",
                                         "memory_model", "savings_source", "fragmentation",
+                                        "recompute_request", "recompute_ms", "recompute_why",
                                         "left_out")}
         write_plan(out, Plan(key=key, pool=strategy or "none", layers=layers, pools=p.pools,
                              predicted_peak=p.peak, budget=budget_bytes, extra=extra))
     return json.loads(json.dumps(result, default=str))
+
+
+def _recompute_why(model: StepModel, best: Choice, budget: int, strategies: list[str]) -> str:
+    """One line: which recompute the plan chose and why."""
+    chosen = {}
+    for ref, mode in zip(model.scopes, best.modes):
+        if mode != "none":
+            chosen.setdefault(f"{ref.kind} {mode}", []).append(ref.layer)
+    request = model.prof.run.recompute
+    if not chosen:
+        return "none needed: the choice fits the budget without recompute" if request == \
+            "auto" else f"none (run.recompute={request})"
+    what = "; ".join(f"{name} on layers {_layer_ranges(layers)}"
+                     for name, layers in chosen.items())
+    if request != "auto":
+        return f"{what} (run.recompute={request}, on every layer)"
+    p = best.prediction
+    without = model.predict(p.captured, p.strategy if any(p.captured) else strategies[0])
+    return (f"{what}: without it this capture choice needs {fmt_bytes(without.required)}, over "
+            f"the budget {fmt_bytes(budget)}; it costs about {best.recompute_ms:.2f} ms/step "
+            "(estimate)")
+
+
+def _nothing_fits(model: StepModel, who: str, budget: int, floor: Prediction,
+                  floor_modes: tuple[str, ...], request: str) -> str:
+    """Why not even the leanest step fits: the largest part of its peak named."""
+    lean = _with_modes(model, floor_modes)
+    saved = sum(lean.memory(i).saved for i in range(len(model.scopes)))
+    parts = {"static memory (weights, grads, AdamW states)": floor.static_bytes,
+             "saved activations": saved,
+             "the rest of the eager peak (transients, loss, I/O)":
+                 floor.eager_phase_peak - floor.static_bytes - saved}
+    if model.parallel is not None and model.parallel.ep > 1:
+        parts["expert-parallel buffers (in the moe scope)"] = \
+            model.kinds["moe"].saved + model.kinds["moe"].fwd_transient
+    top = max(parts, key=parts.get)
+    how = {"auto": "even with nothing captured and every layer recomputed",
+           "none": "even with nothing captured (run.recompute=none: no recompute)"}.get(
+               request, f"even with nothing captured and run.recompute={request}")
+    return (f"budget {fmt_bytes(budget)} does not fit one training step of {who} {how}; the "
+            f"smallest budget that fits is {fmt_bytes(floor.required)}, most of it "
+            f"{top} ({fmt_bytes(parts[top])})")
 
 
 def _plan_step(model: StepModel, prof, spec, key, budget_bytes: int, budget_note: str,

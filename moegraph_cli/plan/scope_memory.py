@@ -26,6 +26,10 @@ Per scope (one of attn, moe, mlp) the model counts, in bytes:
   (grads.py) and memory.written_grads takes them out.
 Transients are upper estimates from the largest temporaries alive together; a calibration
 (measured on the GPU by `moegraph profile --calibrate`) replaces all of these numbers.
+- fc1_saved / fc1_transient (moe): what the selective recompute of FC1 takes out of `saved`
+  (Y1 [S, 2F] on the permute-free path; the reference path's whole expert loop) and the
+  short-lived buffer its re-run adds in the backward (the discarded activation [S, F]).
+`recomputed(m, mode)` gives a scope's numbers under recompute (models/common/recompute.py).
 """
 
 from __future__ import annotations
@@ -51,9 +55,31 @@ class ScopeMemory:
     source: str = "analytical"
     # Measured private pools of one scope (per_entry), from a calibration: (fwd, bwd).
     private_pools: tuple[int, int] | None = None
+    fc1_saved: int = 0
+    fc1_transient: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def recomputed(m: ScopeMemory, mode: str) -> ScopeMemory:
+    """A scope's memory under a recompute mode (models/common/recompute.py):
+    - full: only the input is kept (`saves_input`); the forward's saved tensors become a
+      transient of the forward (built, then dropped) and come back in the backward, where the
+      re-run's outputs and the larger of its forward and backward transients sit on them.
+    - fc1 (moe): `fc1_saved` leaves `saved` and lives through the backward, beside the larger
+      of the re-run's discarded activation and the backward's own transient."""
+    if mode == "full":
+        return dataclasses.replace(
+            m, saved=0, saves_input=True, fwd_transient=m.saved + m.fwd_transient,
+            bwd_transient=m.saved + m.out + max(m.fwd_transient, m.bwd_transient),
+            private_pools=None, fc1_saved=0, fc1_transient=0)
+    if mode == "fc1" and m.fc1_saved:
+        return dataclasses.replace(
+            m, saved=m.saved - m.fc1_saved,
+            bwd_transient=m.fc1_saved + max(m.fc1_transient, m.bwd_transient),
+            private_pools=None, fc1_saved=0, fc1_transient=0)
+    return m
 
 
 def route_block(num_routes: int, num_experts: int, device_type: str) -> int:
@@ -161,7 +187,9 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         routes = N if capacity is None else min(N, E * capacity)
         # per route: nonzero's (token, j) int64, gathered x, 8F of fp32 gate/up (or Y1 in
         # fp32), silu(gate) and silu*up in fp32, the fp32 probability, the act in b.
-        saved += routes * (16 + b * H + 16 * F + 4 + b * F)
+        fc1_saved = routes * (16 + b * H + 16 * F + 4 + b * F)
+        fc1_transient = 0
+        saved += fc1_saved
         fwd = 2 * b * N * H + 8 * T * H  # two [T,k,H] index_put copies, fp32 combine
         bwd = b * T * H + params + 2 * b * N * H + 12 * T * H
     else:
@@ -169,6 +197,7 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         block = route_block(N, E, device_type)
         saved += b * N  # the top-k weights the experts read (model dtype)
         saved += b * S * 2 * F  # Y1, the only F-scale tensor kept
+        fc1_saved, fc1_transient = b * S * 2 * F, b * S * F
         saved += 8 * (S + 1) + 4 * (S // block) + 4 * N + 8 * E + 8  # the RouteList
         fwd = max((4 + b) * T * H, b * S * F + b * S * H) + b * T * H  # act + Y2; combine out
         dp_part = 4 * S * max(1, F // 128)
@@ -176,7 +205,8 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
                + max(b * S * F + dp_part, b * S * H) + b * T * H + 4 * T * E)
     shared = shared_expert_memory(prof)
     return ScopeMemory("moe", saved + shared[0], b * T * H + 8 * E, b * T * H, fwd + shared[1],
-                       bwd + shared[2], params, saves_input=b == 4)
+                       bwd + shared[2], params, saves_input=b == 4, fc1_saved=fc1_saved,
+                       fc1_transient=fc1_transient)
 
 
 def shared_expert_memory(prof: Profile) -> tuple[int, int, int]:

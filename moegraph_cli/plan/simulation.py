@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..config import Profile
 from ..report.summary import DTYPE_BYTES
-from .scope_memory import ScopeMemory, loss_moments
+from .scope_memory import ScopeMemory, loss_moments, recomputed
 
 if TYPE_CHECKING:
     from .parallel import FsdpLayout, Parallel
@@ -104,6 +104,13 @@ class StepModel:
     parallel: Parallel | None = None  # None: one process
     fsdp: FsdpLayout | None = None  # a distributed rank's FSDP2 units (parallel.py)
     static_breakdown: dict = field(default_factory=dict)  # dense / experts, this rank
+    # Per scope (parallel to `scopes`), its recompute mode: none | full | fc1; empty: none.
+    recompute: tuple[str, ...] = ()
+
+    def memory(self, i: int) -> ScopeMemory:
+        """Scope i's memory under its recompute mode."""
+        m = self.kinds[self.scopes[i].kind]
+        return recomputed(m, self.recompute[i]) if self.recompute else m
 
     # -- the simulation ---------------------------------------------------------------
     def predict(self, captured: Sequence[bool], strategy: str) -> Prediction:
@@ -188,7 +195,7 @@ class StepModel:
         for i, (ref, cap) in enumerate(zip(self.scopes, captured)):
             if not cap:
                 continue
-            m = self.kinds[ref.kind]
+            m = self.memory(i)
             if strategy == "per_entry":
                 fwd, bwd = _private_pools(m, frag)
                 pools[f"{ref.name}.fwd"], pools[f"{ref.name}.bwd"] = fwd, bwd
@@ -199,11 +206,11 @@ class StepModel:
         for name, idx in members.items():
             live = peak = 0
             for i in idx:  # forward graphs in execution order
-                m = self.kinds[self.scopes[i].kind]
+                m = self.memory(i)
                 peak = max(peak, live + m.saved + m.out + m.fwd_transient)
                 live += m.saved + m.out
             for i in reversed(idx):  # backward graphs in reverse
-                m = self.kinds[self.scopes[i].kind]
+                m = self.memory(i)
                 peak = max(peak, live + m.bwd_transient)
                 live += m.in_grad - m.saved
             offset = self.pool_offsets.get(strategy, 0)
@@ -240,12 +247,12 @@ class StepModel:
         where = "embedding"
         kept: list[int] = []
         prev_eager = True
-        for ref, cap in zip(self.scopes, captured):
+        for i, (ref, cap) in enumerate(zip(self.scopes, captured)):
             if cap:
                 kept.append(0)
                 prev_eager = False
                 continue
-            m = self.kinds[ref.kind]
+            m = self.memory(i)
             top = live + m.saved + m.out + m.fwd_transient
             if top > peak:
                 peak, where = top, f"forward of {ref.name}"
@@ -254,10 +261,11 @@ class StepModel:
             kept.append(keep)
             prev_eager = True
         live, peak, where = loss_moments(t, live, peak, where)
-        for ref, cap, keep in zip(reversed(self.scopes), reversed(captured), reversed(kept)):
+        for i in range(len(self.scopes) - 1, -1, -1):
+            ref, cap, keep = self.scopes[i], captured[i], kept[i]
             if cap:
                 continue
-            m = self.kinds[ref.kind]
+            m = self.memory(i)
             if live + m.bwd_transient > peak:
                 peak, where = live + m.bwd_transient, f"backward of {ref.name}"
             live -= keep

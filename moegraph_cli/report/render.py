@@ -78,6 +78,11 @@ def inspect_result(s: dict, as_json: bool) -> None:
     out.print(t)
 
 
+def _recompute_cell(modes: dict | None) -> str:
+    """A layer's recompute modes, e.g. "attn full, moe fc1"; "-" for none."""
+    return ", ".join(f"{kind} {mode}" for kind, mode in (modes or {}).items()) or "-"
+
+
 def _layer_span(first: int, last: int) -> str:
     return str(first) if first == last else f"{first}\u2013{last}"
 
@@ -90,19 +95,21 @@ def plan_result(r: dict, as_json: bool) -> None:
     ranks = f" (one rank of --nproc {r['world']} --ep {r['ep']})" \
         if r.get("world", 1) > 1 else ""
     t = _table(f"plan: {r['profile']}{ranks} under {budget}; pool {r['pool'] or 'none'}",
-               ["layers", "scopes", "pool", "predicted bytes"])
-    groups = fold_layers(r["layers"], lambda l: (l["scopes"], l["pool"], l["predicted_bytes"]))
+               ["layers", "scopes", "pool", "recompute", "predicted bytes"])
+    groups = fold_layers(r["layers"], lambda l: (l["scopes"], l["pool"], l["predicted_bytes"],
+                                                  _recompute_cell(l.get("recompute"))))
     for i, g in enumerate(groups):
         each = fmt_bytes(g["predicted_bytes"]) + (f" \u00d7 {g['count']}" if g["count"] > 1
                                                   and g["predicted_bytes"] else "")
         t.add_row(_layer_span(g["first"], g["last"]), "+".join(g["scopes"]) or "none",
-                  g["pool"] or "-", each, end_section=i + 1 == len(groups))
+                  g["pool"] or "-", _recompute_cell(g.get("recompute")), each,
+                  end_section=i + 1 == len(groups))
     reconcile = "layers_bytes" in r and r["pool_bytes"] > 0
     if reconcile:
-        t.add_row("sum of layers", "", "", fmt_bytes(r["layers_bytes"]))
-        t.add_row("- I/O buffers", "", "", fmt_bytes(-r["io_bytes"]))
-        t.add_row("+ working space", "", "", fmt_bytes(r["pool_working_bytes"]))
-        t.add_row("= graph pools", "", "", fmt_bytes(r["pool_bytes"]))
+        t.add_row("sum of layers", "", "", "", fmt_bytes(r["layers_bytes"]))
+        t.add_row("- I/O buffers", "", "", "", fmt_bytes(-r["io_bytes"]))
+        t.add_row("+ working space", "", "", "", fmt_bytes(r["pool_working_bytes"]))
+        t.add_row("= graph pools", "", "", "", fmt_bytes(r["pool_bytes"]))
     out.print(t)
     if reconcile:
         out.print("I/O buffers: captured scopes' static inputs and grad-outputs, outside the "
@@ -132,6 +139,8 @@ def plan_result(r: dict, as_json: bool) -> None:
     out.print(f"memory: {r.get('memory_model', '?')}, fragmentation "
               f"{r.get('fragmentation', 0) * 100:.0f}%; savings: {r.get('savings_source') or '-'}",
               markup=False)
+    if r.get("recompute_why"):
+        out.print(f"recompute: {r['recompute_why']}", markup=False)
     for item in r.get("left_out", []):
         out.print(f"left out: {item}", markup=False)
     if r.get("out"):

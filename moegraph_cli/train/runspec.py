@@ -73,9 +73,10 @@ def pick_device(name: str = "auto", need_cuda: bool = False) -> torch.device:
     return torch.device(name)
 
 
-def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt=None):
+def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt=None,
+                plan=None):
     """The model of this process: whole, or (distributed, `rt`) this rank's shard, with
-    run.recompute set on every layer (a plan may set it per layer afterwards)."""
+    run.recompute set on every layer, or, with a plan (plan/planfile.Plan), each layer's."""
     from ..models.common.recompute import set_recompute
 
     prof = spec.profile
@@ -92,6 +93,8 @@ def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt
                                         prof.run.seed if seed is None else seed,
                                         prof.run.dtype, device)
     modes = RECOMPUTE[prof.run.recompute]
-    if modes:
+    if plan is not None:
+        set_recompute(model, plan.layer_recompute())
+    elif modes:
         set_recompute(model, {i: modes for i in range(len(model.layers))})
     return model

@@ -27,8 +27,21 @@ MODES = {  # run.recompute-like choices, as per-scope modes of every layer
 }
 
 
+# Each family's own small-shape fields on top of SMALL (as its tests/models/test_*.py use).
+FAMILY_EXTRA = {"tiny-deepseek-v3": [
+    "model.num_key_value_heads=4", "model.head_dim=4", "model.qk_rope_head_dim=4",
+    "model.qk_nope_head_dim=8", "model.v_head_dim=6", "model.q_lora_rank=12",
+    "model.kv_lora_rank=10", "model.max_position_embeddings=256",
+    "model.rope_scaling={rope_type: yarn, factor: 4.0, original_max_position_embeddings: 16, "
+    "mscale: 1.0, mscale_all_dim: 0.5}"],
+    "tiny-qwen2-moe": ["model.shared_expert_intermediate_size=20"]}
+
+
 def _build(profile, overrides):
-    return models.from_profile(profile, dtype=torch.float32, overrides=[*SMALL, *overrides])
+    model = models.from_profile(profile, dtype=torch.float32,
+                                overrides=[*SMALL, *FAMILY_EXTRA.get(profile, []), *overrides])
+    dropped_routes(model, reset=True)  # the counters start at zero, as the commands do
+    return model
 
 
 def _recomputed(model, modes):

@@ -246,13 +246,22 @@ def test_cli_plan_eight_ranks_fits_80gib():
           f"{_gib(r['headroom_bytes'])}, pool {r['pool']}, {captured}/96 scopes captured")
 
 
-def test_cli_plan_eight_ranks_at_4096_needs_capacity_mode():
+def test_cli_plan_eight_ranks_at_4096_needs_capacity_mode_or_recompute():
     """Dropless EP sizes each rank's Y1 for every received route landing on it: at T = 4096
-    and P = 8 that is 262144 routes, 811 MB a layer; capacity mode fits 80 GiB."""
+    and P = 8 that is 262144 routes, 811 MB a layer; without recompute only capacity mode fits
+    80 GiB, with it (run.recompute auto) dropless fits too."""
     code, _, stderr = run_cli("plan", "--profile", QWEN, "--nproc", "8", "--ep", "8",
-                              "--budget", "80GiB", "--set", "run.seq_len=4096")
+                              "--budget", "80GiB", "--set", "run.seq_len=4096",
+                              "--set", "run.recompute=none")
     assert code == 1 and len(stderr.strip().splitlines()) == 1  # too small a budget: exit 1
-    assert "per rank of --nproc 8 --ep 8 even with nothing captured" in stderr
+    assert "per rank of --nproc 8 --ep 8 even with nothing captured (run.recompute=none" \
+        in stderr
+    code, stdout, stderr = run_cli("plan", "--profile", QWEN, "--nproc", "8", "--ep", "8",
+                                   "--budget", "80GiB", "--set", "run.seq_len=4096", "--json")
+    assert code == 0, stderr
+    r = json.loads(stdout)
+    assert r["required_budget"] <= 80 * GiB
+    assert any(layer["recompute"] for layer in r["layers"])
     code, stdout, stderr = run_cli("plan", "--profile", QWEN, "--nproc", "8", "--ep", "8",
                                    "--budget", "80GiB", "--set", "moe.mode=capacity",
                                    "--set", "run.seq_len=4096", "--json")

@@ -74,8 +74,14 @@ def test_nothing_captured_when_only_that_fits(layers, below):
     best = choose(model, budget, ["attn", "moe"], list(STRATEGIES), estimated_savings())
     assert not any(best.prediction.captured)
     assert best.saved_ms == 0
-    assert choose(model, eager - 1, ["attn", "moe"], list(STRATEGIES), estimated_savings()) \
-        is None
+    # Below the eager step nothing fits without recompute; with it (run.recompute auto) a
+    # plan, where one fits, recomputes and stays under the budget.
+    assert choose(model, eager - 1, ["attn", "moe"], list(STRATEGIES), estimated_savings(),
+                  recompute="none") is None
+    rec = choose(model, eager - 1, ["attn", "moe"], list(STRATEGIES), estimated_savings())
+    if rec is not None:
+        assert rec.prediction.required <= eager - 1
+        assert any(m != "none" for m in rec.modes) and rec.recompute_ms > 0
 
 
 def test_shared_pool_preferred_when_everything_fits():
@@ -104,7 +110,7 @@ def test_measured_savings_steer_the_choice():
 
 # -- errors -------------------------------------------------------------------------------
 def test_budget_below_static_states_the_minimum():
-    spec = resolve("tiny-qwen3-moe")
+    spec = resolve("tiny-qwen3-moe", overrides=["run.recompute=none"])
     with pytest.raises(MoegraphError) as e:
         plan_command(spec, budget="100MiB")
     assert e.value.exit_code == 1  # a valid request that cannot be met, not a usage error
@@ -116,7 +122,7 @@ def test_budget_below_static_states_the_minimum():
 
 
 def test_budget_that_fits_nothing_states_the_smallest():
-    spec = resolve("tiny-qwen3-moe")
+    spec = resolve("tiny-qwen3-moe", overrides=["run.recompute=none"])
     eager = step_model(spec.profile).predict((False,) * 4, "shared").required
     with pytest.raises(MoegraphError) as e:
         plan_command(spec, budget=str(eager - MiB))
@@ -163,7 +169,7 @@ def test_plan_with_pooled_groups(tmp_path, pool, groups):
 
 
 def test_left_out_says_what_did_not_fit():
-    spec = resolve("tiny-qwen3-moe")
+    spec = resolve("tiny-qwen3-moe", overrides=["run.recompute=none"])
     model = step_model(spec.profile)
     all_in = model.predict((True,) * 4, "shared").required
     r = plan_command(spec, budget=str(all_in - 1), pool="shared")

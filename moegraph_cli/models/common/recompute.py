@@ -34,10 +34,8 @@ import threading
 import torch
 from torch import nn
 
+from ...config.run import SCOPE_MODES
 from ...graphs.params import swapped_parameters
-
-# What `run.recompute` (or a plan's per-layer entry) may ask of one layer, per scope kind.
-SCOPE_MODES = {"attn": ("none", "full"), "moe": ("none", "full", "fc1"), "mlp": ("none", "full")}
 
 _STATE = threading.local()
 
@@ -121,7 +119,7 @@ def set_recompute(model: nn.Module, per_layer: dict[int, dict[str, str]]) -> Non
     for idx, modes in per_layer.items():
         layer = model.layers[idx]
         for scope in (layer.attn, layer.ffn):
-            mode = modes.get(scope.kind, modes.get("ffn"))
+            mode = modes.get(scope.kind)
             if mode is None:
                 continue
             if mode not in SCOPE_MODES[scope.kind]:
