@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from moegraph_cli import models
-from moegraph_cli.io.checkpoint import save_checkpoint
+from moegraph_cli.io.checkpoint_save import save_checkpoint
 from moegraph_cli.graphs import GraphSession
 from moegraph_cli.graphs.backend import EmulatedGraphs
 from moegraph_cli.train.harness import GraphTrainer, scope_specs

@@ -1,13 +1,11 @@
-"""Checkpoint I/O: round trips are bit-identical, transformers' checkpoints load (and ours load in
-transformers), and every bad checkpoint fails before any large read with a one-line message
-naming the tensor and the file."""
+"""Checkpoint I/O: round trips are bit-identical, and transformers' checkpoints load (and ours
+load in transformers). Bad checkpoints: test_checkpoint_errors.py."""
 
 from __future__ import annotations
 
 import collections
 import json
 import os
-import struct
 import tempfile
 from pathlib import Path
 
@@ -15,93 +13,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 import moegraph_cli.io.checkpoint as ckpt
-from moegraph_cli.io.checkpoint import (INDEX_FILE, SINGLE_FILE, Slot, hf_to_moegraph_names,
-                                        load_state_dict, moegraph_shapes, plan_load,
-                                        save_checkpoint)
+from checkpoint_util import (assert_bit_identical, header_of, message, random_state_dict, read_all,
+                             sharded, single, tiny_cfg)
 from moegraph_cli.config import ModelConfig, read_hf_config
 from moegraph_cli.errors import CheckpointError
-
-# -- fixtures -------------------------------------------------------------------------------
-
-
-def tiny_cfg(**overrides) -> ModelConfig:
-    """3 layers, layer 1 dense (mlp_only_layers), 4 experts; H=32, F=16, I=48, hd=8."""
-    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
-    fields.update(overrides)
-    return ModelConfig(**fields).validate()
-
-
-CONFIG_SUMMARY = ("3 layers, 4 experts, mlp_only_layers [1], decoder_sparse_step 1, "
-                  "tie_word_embeddings false")
-
-
-def random_state_dict(cfg: ModelConfig, dtype=torch.float32, seed=0) -> dict[str, torch.Tensor]:
-    """Random weights, with the values a lossy path would mangle in the embedding."""
-    gen = torch.Generator().manual_seed(seed)
-    sd = {name: torch.randn(shape, generator=gen).to(dtype)
-          for name, shape in moegraph_shapes(cfg).items()}
-    tricky = torch.tensor([-0.0, float("inf"), -float("inf"), float("nan"),
-                           torch.finfo(dtype).tiny / 4, torch.finfo(dtype).max])
-    sd["embed_tokens.weight"][0, :len(tricky)] = tricky.to(dtype)
-    return sd
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def assert_bit_identical(got: dict, want: dict) -> None:
-    assert list(got) == list(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype, name
-        assert got[name].shape == want[name].shape, name
-        assert torch.equal(bits(got[name]), bits(want[name])), name
-
-
-def read_all(file: Path) -> dict[str, torch.Tensor]:
-    with safe_open(file, framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-def header_of(file: Path) -> dict:
-    raw = file.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n])
-
-
-def raw_safetensors(file: Path, header: dict, data: bytes) -> None:
-    """A hand-made file, for headers the safetensors writer would refuse to produce."""
-    text = json.dumps(header).encode()
-    file.write_bytes(struct.pack("<Q", len(text)) + text + data)
-
-
-def message(excinfo) -> str:
-    text = str(excinfo.value)
-    assert "\n" not in text
-    return text
-
-
-@pytest.fixture
-def single(tmp_path):
-    """A one-file fp32 checkpoint of tiny_cfg() and its state dict."""
-    cfg, sd = tiny_cfg(), random_state_dict(tiny_cfg())
-    save_checkpoint(sd, cfg, tmp_path / "ck")
-    return tmp_path / "ck", cfg, sd
-
-
-@pytest.fixture
-def sharded(tmp_path):
-    """A sharded fp32 checkpoint of tiny_cfg(), its state dict and weight_map."""
-    cfg, sd = tiny_cfg(), random_state_dict(tiny_cfg())
-    save_checkpoint(sd, cfg, tmp_path / "ck", max_shard_bytes=8192)
-    weight_map = json.loads((tmp_path / "ck" / INDEX_FILE).read_text())["weight_map"]
-    return tmp_path / "ck", cfg, sd, weight_map
+from moegraph_cli.io.checkpoint import load_state_dict, plan_load
+from moegraph_cli.io.checkpoint_save import save_checkpoint
+from moegraph_cli.io.hf_names import (INDEX_FILE, SINGLE_FILE, hf_to_moegraph_names,
+                                      moegraph_shapes)
+from moegraph_cli.models.common.keys import Slot
 
 
 # -- the name table ---------------------------------------------------------------------------
@@ -376,234 +299,6 @@ def test_tied_lm_head_on_disk_is_ignored_if_shaped_like_the_embedding(tmp_path):
         load_state_dict(tmp_path, cfg)
     assert message(e) == ("checkpoint: tensor lm_head.weight in model.safetensors has shape "
                           "[64, 31], config says [64, 32]")
-
-
-# -- errors: names, shapes, dtypes ------------------------------------------------------------
-
-
-def rewrite(file: Path, change) -> None:
-    tensors = read_all(file)
-    change(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
-
-
-def plan_error(path, cfg) -> str:
-    with pytest.raises(CheckpointError) as e:
-        plan_load(path, cfg)
-    return message(e)
-
-
-def test_missing_tensor(single):
-    path, cfg, _ = single
-    rewrite(path / SINGLE_FILE, lambda t: t.pop("model.norm.weight"))
-    assert plan_error(path, cfg) == "checkpoint: tensor model.norm.weight is missing from model.safetensors"
-
-
-def test_missing_expert_counts_the_rest(single):
-    path, cfg, _ = single
-
-    def drop_expert(t):
-        for p in ("gate_proj", "up_proj", "down_proj"):
-            t.pop(f"model.layers.2.mlp.experts.3.{p}.weight")
-
-    rewrite(path / SINGLE_FILE, drop_expert)
-    assert plan_error(path, cfg) == ("checkpoint: tensor model.layers.2.mlp.experts.3.gate_proj.weight "
-                                     "is missing from model.safetensors (and 2 more missing)")
-
-
-def test_missing_tensor_in_a_sharded_checkpoint_names_the_index(sharded):
-    path, cfg, _, weight_map = sharded
-    key = "model.layers.0.self_attn.v_proj.weight"
-    rewrite(path / weight_map.pop(key), lambda t: t.pop(key))
-    (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    assert plan_error(path, cfg) == f"checkpoint: tensor {key} is missing from {INDEX_FILE}"
-
-
-def test_unexpected_tensor(single):
-    path, cfg, _ = single
-    rewrite(path / SINGLE_FILE,
-            lambda t: t.update({"model.layers.0.mlp.experts.4.gate_proj.weight": torch.zeros(16, 32)}))
-    assert plan_error(path, cfg) == (
-        "checkpoint: tensor model.layers.0.mlp.experts.4.gate_proj.weight in model.safetensors is "
-        f"not a parameter of the config's model ({CONFIG_SUMMARY})")
-
-
-def test_checkpoint_for_another_config_is_refused(single):
-    path, _, _ = single
-    assert plan_error(path, tiny_cfg(mlp_only_layers=[])) == (
-        "checkpoint: tensor model.layers.1.mlp.gate.weight is missing from model.safetensors "
-        "(and 12 more missing)")
-
-
-def test_wrong_shape_names_tensor_and_shard(sharded):
-    path, cfg, _, weight_map = sharded
-    key = "model.layers.2.mlp.experts.3.up_proj.weight"
-    file = weight_map[key]
-    assert file.startswith("model-000")
-    rewrite(path / file, lambda t: t.update({key: torch.zeros(16, 24)}))
-    assert plan_error(path, cfg) == (f"checkpoint: tensor {key} in {file} has shape [16, 24], "
-                                     "config says [16, 32]")
-
-
-def test_int_tensor_is_refused(single):
-    path, cfg, _ = single
-    rewrite(path / SINGLE_FILE,
-            lambda t: t.update({"model.layers.0.mlp.gate.weight": torch.zeros(4, 32, dtype=torch.int64)}))
-    assert plan_error(path, cfg) == ("checkpoint: tensor model.layers.0.mlp.gate.weight in "
-                                     "model.safetensors has dtype I64; moegraph loads F32, BF16, F16")
-
-
-def test_mixed_dtypes_are_refused(single):
-    path, cfg, sd = single
-    rewrite(path / SINGLE_FILE,
-            lambda t: t.update({"model.norm.weight": sd["norm.weight"].to(torch.bfloat16)}))
-    assert plan_error(path, cfg) == (
-        "checkpoint: tensor model.norm.weight in model.safetensors has dtype BF16 but "
-        "model.embed_tokens.weight in model.safetensors has F32; a checkpoint holds one dtype")
-
-
-# -- errors: the files themselves -------------------------------------------------------------
-
-
-def test_truncated_file(single):
-    path, cfg, _ = single
-    file = path / SINGLE_FILE
-    header = header_of(file)
-    header.pop("__metadata__")
-    last = max(header, key=lambda k: header[k]["data_offsets"][1])
-    size = file.stat().st_size
-    with open(file, "r+b") as f:
-        f.truncate(size - 10)
-    assert plan_error(path, cfg) == (f"checkpoint: model.safetensors is truncated: tensor {last} "
-                                     f"ends at byte {size} but the file has {size - 10} bytes")
-
-
-def test_header_length_past_the_end(single):
-    path, cfg, _ = single
-    file = path / SINGLE_FILE
-    raw = bytearray(file.read_bytes())
-    raw[:8] = struct.pack("<Q", 2**40)
-    file.write_bytes(raw)
-    assert plan_error(path, cfg) == ("checkpoint: model.safetensors has a corrupt header: header "
-                                     f"length {2**40} does not fit in the file's {len(raw)} bytes")
-
-
-def test_header_that_is_not_json(tmp_path):
-    text = b"{not json"
-    (tmp_path / SINGLE_FILE).write_bytes(struct.pack("<Q", len(text)) + text)
-    assert plan_error(tmp_path, tiny_cfg()) == (
-        "checkpoint: model.safetensors has a corrupt header: not valid JSON (Expecting property "
-        "name enclosed in double quotes)")
-
-
-def f32(offsets, shape=(4,)):
-    return {"dtype": "F32", "shape": list(shape), "data_offsets": list(offsets)}
-
-
-@pytest.mark.parametrize("header, data_bytes, why", [
-    ({"a": f32([0, 16]), "b": f32([8, 24])}, 24, "corrupt header: tensors a and b overlap"),
-    ({"a": f32([0, 16]), "b": f32([20, 36])}, 36, "corrupt header: 4 unused bytes before tensor b"),
-    ({"a": f32([0, 8])}, 8, "corrupt header: tensor a spans bytes 0..8 but F32 [4] needs 16"),
-    ({"a": {"dtype": "F32", "shape": [4]}}, 16, "corrupt header: tensor a needs dtype, shape and data_offsets"),
-    ({"a": f32([0, 16]) | {"dtype": "Q7"}}, 16, "corrupt header: tensor a has unknown dtype 'Q7'"),
-    ({"a": f32([0, 16])}, 20, "corrupt header: 4 bytes after the last tensor"),
-], ids=["overlap", "gap", "span", "fields", "dtype", "trailing"])
-def test_corrupt_offsets(tmp_path, header, data_bytes, why):
-    raw_safetensors(tmp_path / SINGLE_FILE, header, bytes(data_bytes))
-    assert plan_error(tmp_path, tiny_cfg()) == f"checkpoint: model.safetensors has a {why}"
-
-
-def test_offsets_outside_the_file(tmp_path):
-    raw_safetensors(tmp_path / SINGLE_FILE, {"a": f32([0, 16])}, bytes(8))
-    size = (tmp_path / SINGLE_FILE).stat().st_size
-    assert plan_error(tmp_path, tiny_cfg()) == (
-        f"checkpoint: model.safetensors is truncated: tensor a ends at byte {size + 8} but the "
-        f"file has {size} bytes")
-
-
-def test_index_naming_a_missing_file(sharded):
-    path, cfg, _, weight_map = sharded
-    gone = sorted(set(weight_map.values()))[1]
-    (path / gone).unlink()
-    first = next(k for k, v in weight_map.items() if v == gone)
-    assert plan_error(path, cfg) == (f"checkpoint: {INDEX_FILE} names {gone} for tensor {first}, "
-                                     f"but {path / gone} does not exist")
-
-
-def test_index_naming_the_wrong_file(sharded):
-    path, cfg, _, weight_map = sharded
-    key = "model.norm.weight"
-    actual = weight_map[key]
-    weight_map[key] = next(f for f in weight_map.values() if f != actual)
-    (path / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
-    assert plan_error(path, cfg) == (f"checkpoint: tensor {key} is in {actual} but {INDEX_FILE} "
-                                     f"says {weight_map[key]}")
-
-
-def test_index_naming_a_tensor_no_file_has(sharded):
-    path, cfg, _, weight_map = sharded
-    file = weight_map["model.norm.weight"]
-    weight_map["model.layers.9.input_layernorm.weight"] = file
-    (path / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
-    assert plan_error(path, cfg) == ("checkpoint: tensor model.layers.9.input_layernorm.weight is "
-                                     f"not in {file}, where {INDEX_FILE} says it is")
-
-
-def test_index_that_is_not_json(sharded):
-    path, cfg, _, _ = sharded
-    (path / INDEX_FILE).write_text('{"weight_map": ')
-    assert plan_error(path, cfg) == (f"checkpoint: {INDEX_FILE} is not valid JSON (Expecting "
-                                     "value at line 1)")
-
-
-def test_directory_layouts(tmp_path, single):
-    assert plan_error(tmp_path / "nowhere", tiny_cfg()) == f"checkpoint {tmp_path / 'nowhere'} does not exist"
-    (tmp_path / "empty").mkdir()
-    assert plan_error(tmp_path / "empty", tiny_cfg()) == (
-        f"checkpoint {tmp_path / 'empty'} has no {SINGLE_FILE} or {INDEX_FILE}")
-    path, cfg, sd = single
-    assert_bit_identical(load_state_dict(path / SINGLE_FILE, cfg), sd)  # a file path works too
-    (path / INDEX_FILE).write_text("{}")
-    assert plan_error(path, cfg) == (f"checkpoint {path} has both {SINGLE_FILE} and {INDEX_FILE}; "
-                                     "remove the stale one")
-
-
-# -- errors: saving ---------------------------------------------------------------------------
-
-
-def save_error(sd, cfg, path, **kwargs) -> str:
-    with pytest.raises(CheckpointError) as e:
-        save_checkpoint(sd, cfg, path, **kwargs)
-    return message(e)
-
-
-def test_save_checks_the_state_dict(tmp_path):
-    cfg = tiny_cfg()
-    sd = random_state_dict(cfg)
-    assert save_error({k: v for k, v in sd.items() if k != "layers.2.moe.w_down"}, cfg, tmp_path) == (
-        "checkpoint: state dict is missing layers.2.moe.w_down")
-    assert save_error({**sd, "layers.0.moe.w_gate_up": torch.zeros(4, 16, 32)}, cfg, tmp_path) == (
-        "checkpoint: state dict tensor layers.0.moe.w_gate_up has shape [4, 16, 32], config says "
-        "[4, 32, 32]")
-    assert save_error({**sd, "layers.3.attn.q_norm.weight": torch.zeros(8)}, cfg, tmp_path) == (
-        "checkpoint: state dict tensor layers.3.attn.q_norm.weight is not a parameter of the "
-        f"config's model ({CONFIG_SUMMARY})")
-    assert save_error({**sd, "norm.weight": sd["norm.weight"].half()}, cfg, tmp_path) == (
-        "checkpoint: state dict mixes torch.float32 (embed_tokens.weight) and torch.float16 "
-        "(norm.weight); pass dtype= to save in one dtype")
-    assert list(tmp_path.iterdir()) == []  # nothing written on error
-    save_checkpoint({**sd, "norm.weight": sd["norm.weight"].half()}, cfg, tmp_path, dtype=torch.float32)
-    assert load_state_dict(tmp_path, cfg)["norm.weight"].dtype == torch.float32
-
-
-def test_save_accepts_a_tied_head_only_if_it_is_the_embedding(tmp_path):
-    cfg = tiny_cfg(tie_word_embeddings=True)
-    sd = random_state_dict(cfg)
-    save_checkpoint({**sd, "lm_head.weight": sd["embed_tokens.weight"]}, cfg, tmp_path)
-    assert "lm_head.weight" not in read_all(tmp_path / SINGLE_FILE)
-    assert save_error({**sd, "lm_head.weight": torch.zeros(64, 32)}, cfg, tmp_path) == (
-        "checkpoint: state dict has an lm_head.weight that differs from embed_tokens.weight, but "
-        "the config ties them")
 
 
 def test_config_json_is_the_hf_dict_plus_dtype(single):

@@ -14,7 +14,8 @@ from gloo_util import run_gloo
 from sharded_util import expert_ranges, fsdp_model, gathered, meta_model, tiny_cfg
 
 import moegraph_cli.io.checkpoint_local as ckpt_local
-from moegraph_cli.io.checkpoint import SINGLE_FILE, save_checkpoint
+from moegraph_cli.io.checkpoint_save import save_checkpoint
+from moegraph_cli.io.hf_names import SINGLE_FILE
 from moegraph_cli.io.checkpoint_local import load_local_
 from moegraph_cli.errors import CheckpointError
 from moegraph_cli.models import MoeCausalLM

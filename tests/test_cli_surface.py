@@ -16,7 +16,8 @@ import torch
 
 from cli_util import run_cli
 from moegraph_cli.commands import create as create_mod
-from moegraph_cli.io.checkpoint import load_state_dict, save_checkpoint
+from moegraph_cli.io.checkpoint import load_state_dict
+from moegraph_cli.io.checkpoint_save import save_checkpoint
 from moegraph_cli.config import profile_names
 from moegraph_cli.commands.create import create_checkpoint
 from moegraph_cli.models import MoeCausalLM
@@ -216,7 +217,7 @@ def test_streamed_init_is_bitwise_from_config(tmp_path, dtype, monkeypatch):
 def test_streamed_file_is_what_safetensors_writes(tmp_path):
     from safetensors.torch import save_file
 
-    from moegraph_cli.io.checkpoint import _write_safetensors
+    from moegraph_cli.io.checkpoint_save import _write_safetensors
 
     tensors = {"b.w": torch.randn(3, 5), "a.x": torch.randn(7), "a.10": torch.randn(2, 2),
                "a.9": torch.zeros(0, 4)}

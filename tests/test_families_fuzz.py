@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from cli_util import run_cli
 from test_loaders_fuzz import FUZZ, document_bytes, fresh, refuses_cleanly
 from moegraph_cli import models
-from moegraph_cli.io.checkpoint import INDEX_FILE, SINGLE_FILE, hf_to_moegraph_names
+from moegraph_cli.io.hf_names import INDEX_FILE, SINGLE_FILE, hf_to_moegraph_names
 from moegraph_cli.config import read_hf_config
 from moegraph_cli.errors import CheckpointError, MoegraphError, UsageError
 

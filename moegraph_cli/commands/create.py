@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..io.checkpoint import (SaveLayout, hf_to_moegraph_names, save_layout, to_hf_layout,
-                             write_checkpoint)
+from ..io.checkpoint_save import SaveLayout, save_layout, write_checkpoint
+from ..io.hf_names import hf_to_moegraph_names, to_hf_layout
 from ..config import ModelConfig
 from ..errors import MoegraphError, UsageError
 from ..io.outputs import check_output_dir

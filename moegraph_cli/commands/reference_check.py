@@ -35,7 +35,7 @@ def hf_model_from(model, dtype: torch.dtype = torch.float32):
     except ImportError:
         raise UsageError("--reference transformers needs transformers installed "
                          "(pip install 'moegraph[test]')") from None
-    from ..io.checkpoint import save_checkpoint
+    from ..io.checkpoint_save import save_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}

@@ -16,7 +16,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import _config_summary, _shape_str, plan_load, read_tensor
+from .checkpoint import plan_load, read_tensor
+from .hf_names import config_summary
+from .safetensors_format import shape_str
 from ..config import ModelConfig
 from ..errors import CheckpointError
 from ..models.common.init import is_expert_stack, owned_rows
@@ -34,12 +36,12 @@ def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfi
     unfilled = [name for name in params if name not in plan.shapes]
     if unfilled:
         raise CheckpointError(f"checkpoint: no tensor in {plan.root} fills model parameter "
-                              f"{unfilled[0]}; the config's model ({_config_summary(cfg)}) has "
+                              f"{unfilled[0]}; the config's model ({config_summary(cfg)}) has "
                               "no such parameter")
     absent = [name for name in plan.shapes if name not in params]
     if absent:
         raise CheckpointError(f"checkpoint: the model has no parameter {absent[0]}, which the "
-                              f"config's model ({_config_summary(cfg)}) has")
+                              f"config's model ({config_summary(cfg)}) has")
 
     local_rows = {}  # name -> (local tensor, lo, hi): rows [lo, hi) of the full tensor
     for name, p in params.items():
@@ -51,8 +53,8 @@ def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfi
                                   f"but the checkpoint has {full[0]} experts")
         shape = (full[0], *p.shape[1:]) if local_experts else tuple(p.shape)
         if shape != full:
-            raise CheckpointError(f"checkpoint: parameter {name} has shape {_shape_str(shape)}, "
-                                  f"the checkpoint's tensor has {_shape_str(full)}")
+            raise CheckpointError(f"checkpoint: parameter {name} has shape {shape_str(shape)}, "
+                                  f"the checkpoint's tensor has {shape_str(full)}")
         local_rows[name] = (local, lo, hi)
 
     pending: dict = {}  # an MXFP4 tensor's first part, until its second (checkpoint.py)

@@ -1,9 +1,10 @@
 """Model families over shared parts.
 
 - registry.py: `model_type` -> Family; every other module here is one family (config.json
-  fields, checkpoint key map, decoder layer): qwen3_moe.py, mixtral.py, ...
+  fields, checkpoint key map, layer shapes, decoder layer): qwen3_moe.py, mixtral.py, ...
 - common/: the shared parts: attention variants, norms, rope, linear, MoE and dense scopes,
-  seeded init, key-map pieces, and the decoder-only model (`MoeCausalLM`) all families share.
+  seeded init, key-map pieces, parameter shapes (shapes.py: `param_shapes`, torch-free), and
+  the decoder-only model (`MoeCausalLM`) all families share.
 
 `from_pretrained(path)` picks the family from config.json's model_type, `from_profile(name)`
 from the profile's `model.model_type`. This package imports torch only when a model is built.

@@ -23,6 +23,7 @@ from __future__ import annotations
 from ..io.documents import show
 from ..errors import UsageError
 from .common.keys import dense_mlp_keys, expert_keys, model_keys
+from .common.shapes import dense_mlp_shapes, mla_shapes, moe_shapes
 from .registry import Family, one_spelling, require, require_ints, yarn_check, yarn_scaling
 
 # config.json fields read under ModelConfig's names.
@@ -150,6 +151,12 @@ def key_map(cfg, fused_layers: set[int]) -> dict:
     return model_keys(cfg, layer)
 
 
+def layer_shapes(cfg, i: int) -> dict:
+    ffn = moe_shapes(cfg, router="sigmoid_grouped", shared_gate=False) if cfg.is_moe_layer(i) \
+        else dense_mlp_shapes(cfg)
+    return {**mla_shapes(cfg, bias=cfg.attention_bias), **ffn}
+
+
 def decoder_layer(cfg, moe, layer_idx: int, ep=None):
     from .common.decoder import DecoderLayer
     from .common.ffn import DenseMlpScope, MoeScope
@@ -164,6 +171,7 @@ def decoder_layer(cfg, moe, layer_idx: int, ep=None):
 FAMILY = Family(model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM",
                 read_config=read_config, write_config=write_config, checks=checks,
                 key_map=key_map, experts_prefix="mlp.experts.", decoder_layer=decoder_layer,
+                layer_shapes=layer_shapes,
                 features=frozenset({"norm_topk_prob", "attention_bias", "q_lora_rank",
                                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                     "v_head_dim", "rope_interleave", "rope_scaling", "n_group",

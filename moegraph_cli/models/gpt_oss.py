@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from ..io.documents import show
 from .common.keys import attention_keys, model_keys
+from .common.shapes import attention_shapes, moe_shapes
 from .registry import Family, one_spelling, require, require_ints, yarn_check, yarn_scaling
 
 # config.json fields read under ModelConfig's names.
@@ -128,6 +129,12 @@ def key_map(cfg, fused_layers: set[int]) -> dict:
     return model_keys(cfg, layer)
 
 
+def layer_shapes(cfg, i: int) -> dict:
+    attn = attention_shapes(cfg, qk_norm=None, qkv_bias=cfg.attention_bias,
+                            o_bias=cfg.attention_bias, sinks=True)
+    return {**attn, **moe_shapes(cfg, router="topk_softmax", bias=True)}
+
+
 def decoder_layer(cfg, moe, layer_idx: int, ep=None):
     from ..moe.activation import clamped_swiglu
     from .common.attention import AttentionScope
@@ -145,6 +152,7 @@ def decoder_layer(cfg, moe, layer_idx: int, ep=None):
 FAMILY = Family(model_type="gpt_oss", architecture="GptOssForCausalLM",
                 read_config=read_config, write_config=write_config, checks=checks,
                 key_map=key_map, experts_prefix="mlp.experts.", decoder_layer=decoder_layer,
+                layer_shapes=layer_shapes,
                 features=frozenset({"sliding_window", "attention_bias", "rope_scaling",
                                     "layer_types", "swiglu_limit", "swiglu_alpha"}),
                 quant_methods=frozenset({"mxfp4"}))

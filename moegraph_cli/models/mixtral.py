@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..io.documents import show
 from ..errors import UsageError
 from .common.keys import attention_keys, expert_keys, model_keys
+from .common.shapes import attention_shapes, moe_shapes
 from .registry import Family, one_spelling, require
 
 # config.json fields read under ModelConfig's names.
@@ -74,6 +75,10 @@ def key_map(cfg, fused_layers: set[int]) -> dict:
     return model_keys(cfg, layer)
 
 
+def layer_shapes(cfg, i: int) -> dict:
+    return {**attention_shapes(cfg, qk_norm=None), **moe_shapes(cfg)}
+
+
 def decoder_layer(cfg, moe, layer_idx: int, ep=None):
     from .common.attention import AttentionScope
     from .common.decoder import DecoderLayer
@@ -86,5 +91,5 @@ def decoder_layer(cfg, moe, layer_idx: int, ep=None):
 FAMILY = Family(model_type="mixtral", architecture="MixtralForCausalLM",
                 read_config=read_config, write_config=write_config, checks=checks,
                 key_map=key_map, experts_prefix="block_sparse_moe.experts.",
-                decoder_layer=decoder_layer,
+                decoder_layer=decoder_layer, layer_shapes=layer_shapes,
                 features=frozenset({"sliding_window"}))

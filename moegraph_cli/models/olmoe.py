@@ -12,6 +12,7 @@ Shared parts: common.attention (qk_norm="proj", clip_qkv), common.ffn (MoeScope)
 from __future__ import annotations
 
 from .common.keys import attention_keys, expert_keys, model_keys
+from .common.shapes import attention_shapes, moe_shapes
 from .registry import Family, one_spelling, require
 
 # config.json fields read under ModelConfig's names.
@@ -73,6 +74,12 @@ def key_map(cfg, fused_layers: set[int]) -> dict:
     return model_keys(cfg, layer)
 
 
+def layer_shapes(cfg, i: int) -> dict:
+    attn = attention_shapes(cfg, qk_norm="proj", qkv_bias=cfg.attention_bias,
+                            o_bias=cfg.attention_bias)
+    return {**attn, **moe_shapes(cfg)}
+
+
 def decoder_layer(cfg, moe, layer_idx: int, ep=None):
     from .common.attention import AttentionScope
     from .common.decoder import DecoderLayer
@@ -86,4 +93,5 @@ def decoder_layer(cfg, moe, layer_idx: int, ep=None):
 FAMILY = Family(model_type="olmoe", architecture="OlmoeForCausalLM",
                 read_config=read_config, write_config=write_config, checks=checks,
                 key_map=key_map, experts_prefix="mlp.experts.", decoder_layer=decoder_layer,
+                layer_shapes=layer_shapes,
                 features=frozenset({"norm_topk_prob", "clip_qkv", "attention_bias"}))

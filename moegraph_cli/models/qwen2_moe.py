@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from .common.keys import attention_keys, dense_mlp_keys, expert_keys, model_keys
+from .common.shapes import attention_shapes, dense_mlp_shapes, moe_shapes
 from .registry import Family, one_spelling, require
 
 # config.json fields read, under the same names in ModelConfig.
@@ -82,6 +83,11 @@ def key_map(cfg, fused_layers: set[int]) -> dict:
     return model_keys(cfg, layer)
 
 
+def layer_shapes(cfg, i: int) -> dict:
+    ffn = moe_shapes(cfg) if cfg.is_moe_layer(i) else dense_mlp_shapes(cfg)
+    return {**attention_shapes(cfg, qk_norm=None, qkv_bias=cfg.qkv_bias), **ffn}
+
+
 def decoder_layer(cfg, moe, layer_idx: int, ep=None):
     from .common.attention import AttentionScope
     from .common.decoder import DecoderLayer
@@ -96,5 +102,6 @@ def decoder_layer(cfg, moe, layer_idx: int, ep=None):
 FAMILY = Family(model_type="qwen2_moe", architecture="Qwen2MoeForCausalLM",
                 read_config=read_config, write_config=write_config, checks=checks,
                 key_map=key_map, experts_prefix="mlp.experts.", decoder_layer=decoder_layer,
+                layer_shapes=layer_shapes,
                 features=frozenset({"norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
                                     "qkv_bias", "shared_expert_intermediate_size"}))

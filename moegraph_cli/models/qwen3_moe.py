@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from .common.keys import attention_keys, dense_mlp_keys, expert_keys, model_keys
+from .common.shapes import attention_shapes, dense_mlp_shapes, moe_shapes
 from .registry import Family, one_spelling
 
 # config.json fields read, under the same names in ModelConfig.
@@ -61,6 +62,11 @@ def key_map(cfg, fused_layers: set[int]) -> dict:
     return model_keys(cfg, layer)
 
 
+def layer_shapes(cfg, i: int) -> dict:
+    ffn = moe_shapes(cfg) if cfg.is_moe_layer(i) else dense_mlp_shapes(cfg)
+    return {**attention_shapes(cfg, qk_norm="head"), **ffn}
+
+
 def decoder_layer(cfg, moe, layer_idx: int, ep=None):
     from .common.attention import AttentionScope
     from .common.decoder import DecoderLayer
@@ -74,4 +80,5 @@ def decoder_layer(cfg, moe, layer_idx: int, ep=None):
 FAMILY = Family(model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM",
                 read_config=read_config, write_config=write_config, checks=checks,
                 key_map=key_map, experts_prefix="mlp.experts.", decoder_layer=decoder_layer,
+                layer_shapes=layer_shapes,
                 features=frozenset({"norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}))

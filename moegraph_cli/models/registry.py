@@ -1,10 +1,11 @@
 """The architecture registry: `model_type` -> Family.
 
 A family is one module in this package (every module here except this one) that defines
-`FAMILY = Family(...)`: which config.json fields it reads and writes, its checkpoint key map
-and its decoder layer, the latter built from the shared parts in models/common/. Adding a
-family is adding its file. This module and the families' config and key-map halves import no
-torch (`inspect` and `plan` run without it); a family builds its layers with lazy imports.
+`FAMILY = Family(...)`: which config.json fields it reads and writes, its checkpoint key map,
+its layers' parameter shapes and its decoder layer, the last two from the shared parts in
+models/common/ (shapes.py and the modules it mirrors). Adding a family is adding its file.
+This module and the families' config, key-map and shape halves import no torch (`inspect` and
+`plan` run without it); a family builds its layers with lazy imports.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Family:
     key_map: Callable[["ModelConfig", set[int]], dict[str, "Slot"]]
     experts_prefix: str             # HF name of a layer's experts after model.layers.{i}.
     decoder_layer: Callable         # (cfg, moe, layer_idx, ep) -> common.decoder.DecoderLayer
+    # (cfg, layer_idx) -> the layer's state-dict names (after layers.{i}.) and shapes, the
+    # parameters decoder_layer builds (common/shapes.py, torch-free).
+    layer_shapes: Callable[["ModelConfig", int], dict[str, tuple[int, ...]]]
     # The optional ModelConfig settings (FEATURES) this family has; any other must stay at its
     # default, or validation names it as not a setting of the family.
     features: frozenset[str] = frozenset()

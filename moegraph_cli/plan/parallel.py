@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..io.checkpoint import moegraph_shapes
+from ..models.common.shapes import param_shapes
 from ..config import Profile
 from ..report.summary import DTYPE_BYTES, layer_shapes
 from .scope_memory import (ScopeMemory, expert_slots, first_moe_layer, loss_moments,
@@ -206,7 +206,7 @@ class FsdpLayout:
 
 def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
     c, b, W = prof.model, DTYPE_BYTES[prof.run.dtype], parallel.world
-    shapes = moegraph_shapes(c)
+    shapes = param_shapes(c)
     numel: dict[str, int] = {}
     shard: dict[str, int] = {}
     for name, shape in shapes.items():
@@ -240,7 +240,7 @@ def static_per_rank(prof: Profile, parallel: Parallel) -> tuple[dict[str, int], 
     breakdown: rank 0's dense shard and its local experts, 4 copies each in b)."""
     c, b, W = prof.model, DTYPE_BYTES[prof.run.dtype], parallel.world
     dense = dense_shard = experts = 0
-    for name, shape in moegraph_shapes(c).items():
+    for name, shape in param_shapes(c).items():
         if name.endswith(EXPERT_STACKS):
             experts += math.prod(shape)
         else:

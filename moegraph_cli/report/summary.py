@@ -3,15 +3,15 @@ static memory of a training step (weights, grads, AdamW states)."""
 
 from __future__ import annotations
 
-from ..io.checkpoint import moegraph_shapes
 from ..config import ModelConfig, Profile
+from ..models.common.shapes import param_shapes
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def layer_shapes(cfg: ModelConfig, layer_idx: int) -> dict[str, list[int]]:
-    """moegraph parameter names (relative to the layer) and shapes, from the checkpoint's name
-    table (the one place that spells the model's parameters)."""
+    """moegraph parameter names (relative to the layer) and shapes, from the config and the
+    family (models/common/shapes.py, the one place that spells the model's parameters)."""
     return {k: list(v) for k, v in all_layer_shapes(cfg).get(layer_idx, {}).items()}
 
 
@@ -19,15 +19,16 @@ _SHAPES_CACHE: dict[str, dict[int, dict[str, list[int]]]] = {}
 
 
 def all_layer_shapes(cfg: ModelConfig) -> dict[int, dict[str, list[int]]]:
-    """Every layer's shapes from one pass over the name table (callers loop over layers:
-    rebuilding the table per layer made `inspect` quadratic in the layer count)."""
+    """Every layer's shapes from one pass over `param_shapes` (callers loop over layers:
+    rebuilding the whole model's shapes per layer made `inspect` quadratic in the layer
+    count)."""
     import dataclasses
     import json
 
     key = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
     if key not in _SHAPES_CACHE:
         out: dict[int, dict[str, list[int]]] = {}
-        for name, shape in moegraph_shapes(cfg).items():
+        for name, shape in param_shapes(cfg).items():
             if name.startswith("layers."):
                 _, idx, rest = name.split(".", 2)
                 out.setdefault(int(idx), {})[rest] = list(shape)

@@ -247,7 +247,7 @@ def test_router_bias_stays_fp32_in_a_bf16_model(tmp_path):
     """The bias and the load count are fp32 in a bf16 model (a 1e-3 step survives where bf16
     would round it away); the state dict, and so the checkpoint, holds the model's dtype."""
     from moegraph_cli import models
-    from moegraph_cli.io.checkpoint import save_checkpoint
+    from moegraph_cli.io.checkpoint_save import save_checkpoint
 
     model = models.from_profile("tiny-deepseek-v3", dtype="bfloat16",
                                 overrides=[*SMALL, *TINY, "run.dtype=bfloat16",

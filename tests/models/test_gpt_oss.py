@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 from family_checks import check_emulated_lr0, check_hf_checkpoint, check_init_checkpoint
 from cli_util import run_cli
 from moegraph_cli import models
-from moegraph_cli.io.checkpoint import hf_to_moegraph_names, save_checkpoint, to_moegraph_layout
+from moegraph_cli.io.checkpoint_save import save_checkpoint
+from moegraph_cli.io.hf_names import hf_to_moegraph_names, to_moegraph_layout
 from moegraph_cli.io.documents import show
 from moegraph_cli.errors import UsageError
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moegraph_cli import models
-from moegraph_cli.io.checkpoint import moegraph_shapes
+from moegraph_cli.io.hf_names import moegraph_shapes
 from moegraph_cli.config import ModelConfig, load_profile, profile_names
 from moegraph_cli.errors import UsageError
 

@@ -12,7 +12,7 @@ one tensor per expert on disk:
 or, in a fused layer, `{experts}.gate_up_proj` [E, 2F, H] and `{experts}.down_proj` [E, H, F].
 
 A slot may store its tensor in another layout on disk (`Slot.layout`, steps applied in order
-on load and undone in reverse on save, by checkpoint.py): `"transpose"` swaps the last two
+on load and undone in reverse on save, by io/hf_names.py): `"transpose"` swaps the last two
 dims, `"deinterleave"` turns a last dim of interleaved pairs (g0, u0, g1, u1, ...) into halves
 (g0, g1, ... | u0, u1, ...). Steps never touch dim 0, so a slice of experts or of an FSDP
 chunk commutes with them. GPT-OSS's `gate_up_proj` [E, H, 2F] (gate/up interleaved) is
