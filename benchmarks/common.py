@@ -1,16 +1,181 @@
-"""Shared by the benchmark scripts: device facts, step timing, kernel counting, JSON output."""
+"""Shared by the benchmark scripts: where results go, what every results file records about the
+run, CUDA timing, kernel tables and the CLI in a fresh process.
+
+Every results file is one JSON document: `environment()` (GPU, torch, Triton, git commit,
+date, the command line, any kernel switch set in the environment) next to the numbers.
+Scripts run from the repository root (`python3 benchmarks/X.py`), with the package installed.
+Nothing here imports torch at module level, so a CPU-only script (startup.py) stays light.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import statistics
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parents[1]
+
+
+def default_out(name: str) -> Path:
+    """$OUT/name when the driver sets OUT, else benchmarks/results/name."""
+    return Path(os.environ.get("OUT") or REPO / "benchmarks" / "results") / name
+
+
+def git_commit() -> str | None:
+    """Short hash of HEAD, with `-dirty` when tracked files differ from it; outside a git
+    checkout (an exported tree), $MOEGRAPH_COMMIT as given, else None."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        except OSError:  # no git on this machine
+            return None
+    head = git("rev-parse", "--show-toplevel")
+    if head is None or head.returncode != 0 or Path(head.stdout.strip()) != REPO:
+        return os.environ.get("MOEGRAPH_COMMIT")
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def version_of(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def environment(device: bool = True) -> dict:
+    """What a results file says about its run: the GPU (with `device`: a CPU-only script
+    passes False and records gpu None, importing no torch), torch and Triton versions, the
+    commit, the date, the command line, and any kernel switch or tile override set in the
+    environment (`kernel_env`, as the CLI's own documents record it)."""
+    info = {"gpu": None, "torch": version_of("torch"), "triton": version_of("triton"),
+            "commit": git_commit(),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": " ".join(["python3", *sys.argv])}
+    if device:
+        import torch
+        info["torch"] = str(torch.__version__)
+        from moegraph_cli.train.harness import device_info
+        gpu = device_info()
+        info.update(gpu=gpu["gpu"], triton=gpu["triton"])
+        if "kernel_env" in gpu:
+            info["kernel_env"] = gpu["kernel_env"]
+    return info
+
+
+def write_json(path: str | Path, doc: dict) -> None:
+    """Write the results document (rewritten as a run goes, so a time limit loses little)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    print(f"wrote {path}", file=sys.stderr, flush=True)
+
+
+def cli_json(args: list[str], timeout: int = 600,
+             env: dict | None = None) -> tuple[dict | None, str]:
+    """`python -m moegraph_cli.app ARGS --json` in a fresh process (no allocator state shared
+    between cases), with `env` added to the environment: (its JSON document or None, the tail
+    of its stderr)."""
+    cmd = [sys.executable, "-m", "moegraph_cli.app", *args, "--json"]
+    print("$ moegraph " + " ".join(args), file=sys.stderr, flush=True)
+    try:
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout} s"
+    try:
+        return json.loads(p.stdout), p.stderr.strip()[-400:]
+    except json.JSONDecodeError:
+        return None, (p.stderr.strip() or p.stdout.strip())[-400:] or f"exit {p.returncode}"
+
+
+def error_text(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+
+
+# --- CUDA timing ---------------------------------------------------------------------------
+
+def time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median ms of one call: CUDA events around each of `iters` calls, after warm-up."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    pairs = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        pairs.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def throughput_ms(fn, reps: int, rounds: int = 5, warmup: int = 2) -> float:
+    """ms per call, the median over `rounds` of `reps` calls back to back between one pair
+    of events with no sync inside: host launch work overlaps GPU work, as in training."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    per_round = []
+    for _ in range(rounds):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        per_round.append(s.elapsed_time(e) / reps)
+    return statistics.median(per_round)
+
+
+def capture_graph(fn):
+    """fn captured in one CUDA graph, after three warm-up calls on a side stream."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def kernel_ms(fn) -> dict[str, float]:
+    """GPU ms per kernel name over one call of fn (torch.profiler), largest first."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            us = e.device_time if hasattr(e, "device_time") else e.cuda_time
+            table[e.name[:90]] = table.get(e.name[:90], 0.0) + us / 1e3
+    return dict(sorted(table.items(), key=lambda kv: -kv[1]))
 
 
 def count_kernels(fn) -> int:
-    """CUDA kernels launched by one call of fn (memcpy/memset excluded), via torch.profiler."""
+    """CUDA kernels launched by one call of fn (memcpy / memset excluded)."""
+    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -22,24 +187,8 @@ def count_kernels(fn) -> int:
                and not e.name.startswith(("Memcpy", "Memset", "[memory]")))
 
 
-def time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Median ms of fn() over iters calls, CUDA events, after warm-up."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        times.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times)
-
-
-def write_records(records: list[dict], out: str | Path) -> None:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=2) + "\n")
-    print(f"wrote {len(records)} records to {out}")
+if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(description=__doc__ + "\nRun alone: print the environment record "
+                            "a results file made here would carry.").parse_args()
+    print(json.dumps(environment(device=False), indent=1))

@@ -1,7 +1,6 @@
 """AdamW step on one GPU: copy bandwidth, torch fused AdamW, FlatAdamW eager and graphed.
 
-    python benchmarks/optimizer.py --out benchmarks/results/optimizer_h200.json
-        [--params 3.1e9] [--dtype bf16] [--iters 20] [--sweep]
+    python3 benchmarks/optimizer.py [--params 3.1e9] [--dtype bf16] [--iters 20] [--out PATH]
 
 The parameters mimic a transformer: the shapes of profile qwen3-30b-a3b-4layer (embedding,
 lm_head, four MoE layers: 3.11e9 parameters), with the layer shapes repeated or dropped to get
@@ -17,30 +16,23 @@ v: 14 B in bf16), reported with its fraction of (a). Each implementation holds a
 First, on a subset (layer 0 without w_gate_up, 0.22e9 parameters), FlatAdamW against fused
 torch AdamW from the same parameters and gradients: max ulp difference of p, exp_avg and
 exp_avg_sq after the first step and after the third.
---sweep times the kernel's BLOCK x num_warps on a 1e9-element buffer first.
-The JSON goes to stdout and --out, with the GPU, torch and triton versions and the date.
+
+Prints the JSON and writes it to optimizer.json (--out; default $OUT/optimizer.json, else
+benchmarks/results/optimizer.json), with the GPU, torch and Triton versions, commit and date.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import triton  # noqa: E402
-
-from common import count_kernels, time_ms  # noqa: E402
-from moegraph_cli.config import load_profile  # noqa: E402
-from moegraph_cli.models import MoeCausalLM  # noqa: E402
-from moegraph_cli.train.optim import FlatAdamW  # noqa: E402
-from moegraph_kernels.adamw import adamw_step, bias_correction_  # noqa: E402
+from common import count_kernels, default_out, environment, time_ms, write_json
+from moegraph_cli.config import load_profile
+from moegraph_cli.models import MoeCausalLM
+from moegraph_cli.train.optim import FlatAdamW
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LR, WEIGHT_DECAY = 1e-4, 0.1
@@ -128,40 +120,13 @@ def check_against_fused(shapes, dtype, steps=(1, 3)) -> dict:
     return out
 
 
-def sweep(dtype, iters) -> list[dict]:
-    n = 1 << 30
-    bufs = [torch.empty(n, device="cuda", dtype=dtype).normal_() for _ in range(4)]
-    bufs[3].abs_()  # exp_avg_sq
-    lr = torch.full((1,), LR, dtype=torch.float64, device="cuda")
-    consts = torch.tensor([0.9, 0.999, 0.5], dtype=torch.float64, device="cuda")
-    consts32 = torch.tensor([0.9, 0.999, 0.0, 0.0], dtype=torch.float32, device="cuda")
-    bias = torch.empty(5, dtype=torch.float64, device="cuda")
-    bias_correction_(torch.ones(1, dtype=torch.int64, device="cuda"), consts, consts32, bias)
-    rows = []
-    for precise in (True, False):
-        for block in (512, 1024, 2048, 4096):
-            for warps in (2, 4, 8):
-                if block // (32 * warps) > 32:
-                    continue
-                ms = time_ms(lambda: adamw_step(*bufs, lr, bias, 0.9, 0.999, 1e-8, WEIGHT_DECAY,
-                                                block=block, num_warps=warps, precise=precise),
-                             iters=iters)
-                rows.append({"precise": precise, "block": block, "num_warps": warps, "ms": ms,
-                             "GBps": 7 * n * bufs[0].element_size() / ms / 1e6})
-                print(f"sweep precise {precise:d} block {block:5d} warps {warps:2d}: "
-                      f"{ms:7.3f} ms {rows[-1]['GBps']:7.0f} GB/s", flush=True)
-    del bufs
-    free()
-    return rows
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(default_out("optimizer.json")))
     ap.add_argument("--params", type=float, default=3.1e9)
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/optimizer.py: needs a CUDA GPU (none is visible)")
@@ -170,16 +135,11 @@ def main() -> None:
     numel = sum(torch.Size(s).numel() for s in shapes)
     step_bytes = 7 * numel * dtype.itemsize
     doc = {
-        "benchmark": "optimizer",
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "optimizer", **environment(),
         "dtype": args.dtype, "params": numel, "tensors": len(shapes),
         "bytes_per_step": step_bytes, "iters": args.iters, "lr": LR,
         "weight_decay": WEIGHT_DECAY,
     }
-    if args.sweep:
-        doc["sweep"] = sweep(dtype, args.iters)
     doc["max_ulps_vs_fused"] = check_against_fused(subset, dtype)
     print("max ulps vs fused:", doc["max_ulps_vs_fused"], flush=True)
 
@@ -223,11 +183,8 @@ def main() -> None:
     del params, opt, graph
     free()
 
-    text = json.dumps(doc, indent=2)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    print(json.dumps(doc, indent=2))
+    write_json(args.out, doc)
 
 
 if __name__ == "__main__":

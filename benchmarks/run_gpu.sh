@@ -1,95 +1,105 @@
 #!/usr/bin/env bash
-# One device-machine session: install, then the named stages, each under its own time limit,
-# logs and JSON under $OUT. Usage: bash benchmarks/run_gpu.sh STAGE[:SECONDS] ...
-# Stages: tests, kernels_tests, graphs_tests, eager, experts, experts_sweep, capture, planner, profile,
-# and for the whole step (issue 9): step_tests, whole_step, expert_breakdown, optimizer, loss, variants
-# and for the families (issue 10): families_tests, architectures
-# and this round's kernels: fused_tests, new_tests, rest_tests, wgrad_sweep, architectures_new,
-# sink_attention (GPT-OSS's attention choices), slice_reference (fp32 logits vs transformers on the slices),
-# experts_forward (the whole expert forward graphed at T = 8192 and 32768, TFLOP/s),
-# combine_sweep (the gather-combine tile; its winner is exported to the stages after it),
-# fc1_sweep / fc2_sweep (the FC1 / FC2 tile at 128-row blocks, likewise exported),
-# slice_reference_qwen2, tail_tests (the slot-GEMM variants, the split tail among them, and the expert path),
-# experts_ab (interleaved A/B of the expert forward and FC1 / FC2: paired FC1 vs unpaired and not persistent),
-# experts_small (T = 1024 fwd+bwd vs the baseline), paired_tests (the paired FC1 and the expert path on the GPU)
+# The suite on a GPU machine: install the package, then run the named stages in order, each
+# under its own time limit. Each stage writes its JSON (with the GPU, torch and Triton
+# versions, the commit and the date) to $OUT/NAME.json (a test stage: $OUT/STAGE_tests.json,
+# the pytest summary line) and its log to $OUT/logs/STAGE.log; OUT defaults to
+# benchmarks/results. In a tree that is not a git checkout (an export), set MOEGRAPH_COMMIT to
+# the commit it was exported from: the JSON records it as the run's commit.
+#
+#   bash benchmarks/run_gpu.sh STAGE[:SECONDS] ...      (default limit 600 s a stage)
+#
+# Stages:
+#   kernels      the kernels' CUDA tests (tests/kernels, the expert, fused, embedding and
+#                route-list GPU tests, the optimizer and loss kernels), -m cuda
+#   tests        every CUDA test (-m cuda tests/)
+#   experts      benchmarks/experts.py --check, uniform and skewed routing
+#   whole_step   benchmarks/whole_step.py: eager / attn+moe / step graph, by part, against
+#                transformers eager and compiled
+#   capture      benchmarks/capture.py: eager vs graph per pool strategy, verify --lr0
+#   families     benchmarks/capture.py --families: every family, both MoE modes, fp32 reference
+#   planner      benchmarks/planner.py: the out-of-memory a plan avoids, predicted vs measured
+#   micro        benchmarks/optimizer.py and benchmarks/loss.py
+#   distributed  benchmarks/distributed.py (needs 2 GPUs; skipped with fewer)
+#   all          kernels experts whole_step capture planner micro, and distributed with 2 GPUs
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-WORK=/tmp/mg_work; mkdir -p "$WORK"   # everything lands here; $OUT gets one archive (file limit)
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}; export OUT
+mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1 || { cat "$WORK/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$WORK/gpu.txt" 2>&1
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >> "$WORK/gpu.txt"
-cat "$WORK/gpu.txt"
-for arg in "$@"; do
-  stage=${arg%%:*}; limit=${arg#*:}; [ "$limit" = "$arg" ] && limit=300
-  start=$(date +%s)
-  case $stage in
-    tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu" ;;
-    kernels_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_experts_cuda.py" ;;
-    graphs_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_graphs_cuda.py" ;;
-    eager) cmd="python3 benchmarks/eager_baseline.py --out $WORK/eager_baseline.json" ;;
-    experts) cmd="python3 benchmarks/moe_experts.py --check --out $WORK/moe_experts.json" ;;
-    experts_sweep) cmd="python3 benchmarks/moe_experts.py --check --sweep --quick --out $WORK/moe_experts_sweep.json" ;;
-    capture) cmd="python3 benchmarks/capture.py --out $WORK/capture.json" ;;
-    capture_12_entry) cmd="python3 benchmarks/capture.py --only qwen3-30b-a3b-12layer --pools per_entry --out $WORK/capture_12_entry.json" ;;
-    capture_12_pooled) cmd="python3 benchmarks/capture.py --only qwen3-30b-a3b-12layer --pools shared,per_scope --out $WORK/capture_12_pooled.json" ;;
-    capture_fast) cmd="python3 benchmarks/capture.py --only tiny-qwen3-moe,qwen3-30b-a3b-4layer --out $WORK/capture_fast.json" ;;
-    planner_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_planner_cuda.py" ;;
-    planner) cmd="python3 benchmarks/planner.py --no-steady --out $WORK/planner.json" ;;
-    profile) cmd="python3 benchmarks/planner.py --mode profile-tiny --out $WORK/profile_tiny.json" ;;
-    step_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_optim.py tests/test_loss.py" ;;
-    whole_step) cmd="python3 benchmarks/whole_step.py --out $WORK/whole_step.json" ;;
-    expert_breakdown) cmd="python3 benchmarks/expert_breakdown.py --out $WORK/expert_breakdown.json" ;;
-    optimizer) cmd="python3 benchmarks/optimizer.py --out $WORK/optimizer.json" ;;
-    loss) cmd="python3 benchmarks/loss.py --out $WORK/loss.json" ;;
-    step_ops) cmd="python3 benchmarks/step_ops.py --out $WORK/step_ops.json" ;;
-    variants_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py" ;;
-    variants) cmd="python3 benchmarks/moe_experts.py --variants --out $WORK/moe_variants.json" ;;
-    fused_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_fused_cuda.py tests/kernels/test_rmsnorm.py tests/kernels/test_rope.py tests/kernels/test_combine.py" ;;
-    new_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_embedding_backward_cuda.py tests/gpu/test_route_align_cuda.py tests/gpu/test_gpt_oss_experts_cuda.py" ;;
-    rest_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_optim.py tests/test_loss.py --ignore=tests/gpu/test_fused_cuda.py --ignore=tests/gpu/test_embedding_backward_cuda.py --ignore=tests/gpu/test_route_align_cuda.py --ignore=tests/gpu/test_gpt_oss_experts_cuda.py" ;;
-    wgrad_sweep) cmd="python3 benchmarks/wgrad_sweep.py --out $WORK/wgrad_sweep.json" ;;
-    architectures_new) cmd="python3 benchmarks/architectures.py --only tiny-gpt-oss,gpt-oss-20b-4layer,qwen1.5-moe-a2.7b-4layer --out $WORK/architectures_new.json" ;;
-    fc1_sweep) cmd="python3 benchmarks/tile_sweep.py --kernel fc1 --tokens 8192 --out $WORK/fc1_sweep.json" ;;
-    fc2_sweep) cmd="python3 benchmarks/tile_sweep.py --kernel fc2 --tokens 8192 --out $WORK/fc2_sweep.json" ;;
-    slice_reference_qwen2) cmd="python3 benchmarks/architectures.py --reference-only qwen2-57b-a14b-4layer --out $WORK/slice_reference_qwen2.json" ;;
-    combine_sweep) cmd="python3 benchmarks/combine_sweep.py --tokens 8192 --out $WORK/combine_sweep.json" ;;
-    experts_forward) cmd="python3 benchmarks/expert_breakdown.py --tokens 8192,32768 --only default,grouped_mm_baseline --out $WORK/experts_forward.json" ;;
-    experts_ab) cmd="python3 benchmarks/experts_ab.py --tokens 1024,8192,32768 --rounds 9 --configs fc1_unpaired,fc1_not_persistent --out $WORK/experts_ab.json" ;;
-    experts_forward3) cmd="for i in 1 2 3; do python3 benchmarks/expert_breakdown.py --tokens 8192,32768 --only default,grouped_mm_baseline --out $WORK/experts_forward_\$i.json; done" ;;
-    persistent_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192,32768 --rounds 9 --configs fc1_not_persistent,fc1_unpaired --out $WORK/persistent_ab.json" ;;
-    p96_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192,32768 --rounds 9 --configs fc1_not_persistent,fc1_p96,fc1_p96_w4,fc1_p96_k32 --out $WORK/p96_ab.json" ;;
-    experts_forward_alt) cmd="for i in 1 2; do python3 benchmarks/expert_breakdown.py --tokens 8192 --only default,fc1_not_persistent,fc1_p96,grouped_mm_baseline --out $WORK/experts_forward_alt_\$i.json; done" ;;
-    p96_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py -k paired" ;;
-    experts_small) cmd="python3 benchmarks/expert_breakdown.py --tokens 1024 --only default,grouped_mm_baseline --out $WORK/experts_small.json" ;;
-    paired_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py::test_cuda_fc1_paired_box_is_bitwise_equal tests/gpu/test_experts_cuda.py tests/gpu/test_gpt_oss_experts_cuda.py" ;;
-    paired_ab) cmd="python3 benchmarks/experts_ab.py --tokens 8192 --rounds 9 --configs fc1_unpaired,fc1_paired_persistent,fc1_paired_k128,fc1_paired_k32,fc1_paired_g8,fc1_paired_s3 --out $WORK/paired_ab.json" ;;
-    tail_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_slot_gemm_variants.py tests/gpu/test_experts_cuda.py" ;;
-    sink_attention) cmd="python3 benchmarks/sink_attention.py --out $WORK/sink_attention.json" ;;
-    slice_reference) cmd="python3 benchmarks/architectures.py --reference-only qwen3-30b-a3b-4layer,moonlight-16b-a3b-4layer,qwen1.5-moe-a2.7b-4layer,gpt-oss-20b-4layer,mixtral-8x7b-4layer,qwen2-57b-a14b-4layer --out $WORK/slice_reference.json" ;;
-    families_tests) cmd="python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_families_cuda.py" ;;
-    architectures) cmd="python3 benchmarks/architectures.py --out $WORK/architectures.json" ;;
-    *) echo "unknown stage $stage"; continue ;;
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/logs/install.log" 2>&1 \
+  || { cat "$OUT/logs/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv \
+  > "$OUT/logs/gpu.txt" 2>&1
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__,
+torch.cuda.get_device_name(), torch.cuda.device_count())" >> "$OUT/logs/gpu.txt" 2>&1
+cat "$OUT/logs/gpu.txt"
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+
+PYTEST="python3 -m pytest -q -m cuda -p no:cacheprovider"
+KERNEL_TESTS="tests/kernels tests/gpu/test_experts_cuda.py tests/gpu/test_gpt_oss_experts_cuda.py \
+  tests/gpu/test_fused_cuda.py tests/gpu/test_embedding_backward_cuda.py \
+  tests/gpu/test_route_align_cuda.py tests/test_optim.py tests/test_loss.py"
+
+command_of() {
+  case $1 in
+    kernels) echo "$PYTEST $KERNEL_TESTS" ;;
+    tests) echo "$PYTEST tests" ;;
+    experts) echo "python3 benchmarks/experts.py --check --routing uniform,skewed" \
+                  "--out $OUT/experts.json" ;;
+    whole_step) echo "python3 benchmarks/whole_step.py --out $OUT/whole_step.json" ;;
+    capture) echo "python3 benchmarks/capture.py --out $OUT/capture.json" ;;
+    families) echo "python3 benchmarks/capture.py --families --out $OUT/families.json" ;;
+    planner)  # against this run's families.json where there is one, else the recorded file
+      local measured=""; [ -f "$OUT/families.json" ] && measured="--measured $OUT/families.json"
+      echo "python3 benchmarks/planner.py $measured --out $OUT/planner.json" ;;
+    micro) echo "python3 benchmarks/optimizer.py --out $OUT/optimizer.json &&" \
+                "python3 benchmarks/loss.py --out $OUT/loss.json" ;;
+    distributed)
+      if [ "$gpus" -ge 2 ]; then
+        echo "python3 benchmarks/distributed.py --out $OUT/distributed.json"
+      else
+        echo "echo 'distributed: needs 2 GPUs, this machine has $gpus'"
+      fi ;;
+    *) return 1 ;;
   esac
+}
+
+stages=()
+for arg in "$@"; do
+  if [ "${arg%%:*}" = all ]; then  # all:SECONDS gives each stage that limit
+    tail=""; [ "$arg" != all ] && tail=":${arg#*:}"
+    for s in kernels experts whole_step capture planner micro distributed; do
+      stages+=("$s$tail")
+    done
+  else
+    stages+=("$arg")
+  fi
+done
+[ ${#stages[@]} -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+
+tests_json() {  # STAGE RC COMMAND: a test stage's record, its pytest summary line
+  python3 - "$@" "$OUT/logs/$1.log" "$OUT/$1_tests.json" <<'PY'
+import sys
+sys.path.insert(0, "benchmarks")
+from common import environment, write_json
+stage, rc, cmd, log, out = sys.argv[1:]
+lines = [ln for ln in open(log, errors="replace").read().splitlines() if ln.strip()]
+write_json(out, {"benchmark": f"{stage} tests", **environment(), "command": cmd,
+                 "returncode": int(rc), "summary": lines[-1] if lines else None})
+PY
+}
+
+status=0
+for arg in "${stages[@]}"; do
+  stage=${arg%%:*}; limit=${arg#*:}; [ "$limit" = "$arg" ] && limit=600
+  cmd=$(command_of "$stage") || { echo "unknown stage $stage"; status=2; continue; }
   echo "=== $stage (limit ${limit}s): $cmd"
-  timeout -k 10 "$limit" bash -c "$cmd" > "$WORK/$stage.log" 2>&1
+  start=$(date +%s)
+  timeout -k 10 "$limit" bash -c "$cmd" > "$OUT/logs/$stage.log" 2>&1
   rc=$?
   echo "=== $stage rc=$rc in $(( $(date +%s) - start ))s"
-  tail -n 25 "$WORK/$stage.log"
-  # A failing fused-kernel check turns the fused kernels off for the stages after it; the
-  # wgrad sweep's winner is what the stages after it run with (both said in the log).
-  if [ "$stage" = fused_tests ] && [ $rc != 0 ]; then export MOEGRAPH_FUSED=0; echo "MOEGRAPH_FUSED=0 from here on"; fi
-  if [ "$stage" = combine_sweep ]; then
-    v=$(grep -o 'MOEGRAPH_COMBINE_TILE=[0-9,]*' "$WORK/combine_sweep.log" | tail -1)
-    [ -n "$v" ] && export "$v" && echo "exported $v"
-  fi
-  if [ "$stage" = fc1_sweep ] || [ "$stage" = fc2_sweep ]; then
-    v=$(grep -o 'MOEGRAPH_FC[12]_TILE=[0-9,]*' "$WORK/$stage.log" | tail -1)
-    [ -n "$v" ] && export "$v" && echo "exported $v"
-  fi
-  if [ "$stage" = wgrad_sweep ]; then
-    v=$(grep -o 'MOEGRAPH_WGRAD_SHORT=[0-9,]*' "$WORK/wgrad_sweep.log" | tail -1)
-    [ -n "$v" ] && export "$v" && echo "exported $v"
-  fi
-  tar czf "$OUT/run.tgz" -C "$WORK" .
+  tail -n 25 "$OUT/logs/$stage.log"
+  case $stage in kernels|tests) tests_json "$stage" "$rc" "$cmd" ;; esac
+  [ $rc = 0 ] || status=1
 done
+exit $status

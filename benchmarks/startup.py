@@ -1,19 +1,22 @@
 """Start-up time of a command that needs no GPU: `moegraph inspect --profile tiny-qwen3-moe
 --json`, run N times in fresh processes (`python -m moegraph_cli.app ...`), median wall time.
 
-A CPU measurement: nothing here touches a GPU. Each run is a new interpreter, so the figure is
-what a user waits for (interpreter start, imports, the command, exit); the file system cache is
-warm after the first run, which is excluded as a warm-up. `python -c pass` is timed the same
-way as the floor. `--root DIR` times another source tree of moegraph (e.g. an exported older
-commit) instead of the installed one.
+    python3 benchmarks/startup.py [--runs 10] [--root DIR] [--label TEXT] [--out PATH]
 
-    python benchmarks/startup.py --runs 20 --out benchmarks/results/startup.json
+A CPU measurement: nothing here touches a GPU (and the record says so). Each run is a new
+interpreter, so the figure is what a user waits for (interpreter start, imports, the command,
+exit); the file system cache is warm after the first run, which is excluded as a warm-up.
+`python -c pass` is timed the same way as the floor; `heavy_modules_imported` lists which of
+torch, numpy, triton and safetensors the command imported. `--root DIR` times another source
+tree of moegraph (e.g. an exported older commit) instead of the installed one.
+
+Prints the JSON and writes it to startup.json (--out; default $OUT/startup.json, else
+benchmarks/results/startup.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -21,8 +24,9 @@ import statistics
 import subprocess
 import sys
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from common import default_out, environment, version_of, write_json
 
 COMMAND = ["inspect", "--profile", "tiny-qwen3-moe", "--json"]
 PROBE = ("import sys, runpy; sys.argv = ['moegraph'] + sys.argv[1:]\n"
@@ -60,13 +64,6 @@ def _summary(times: list[float]) -> dict:
             "max_s": round(max(times), 4), "runs_s": [round(t, 4) for t in times]}
 
 
-def _version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
 def measure(runs: int, root: Path | None) -> dict:
     env, cwd = _env(root), (root or Path.cwd())
     cmd = [sys.executable, "-m", "moegraph_cli.app", *COMMAND]
@@ -75,7 +72,7 @@ def measure(runs: int, root: Path | None) -> dict:
     imported = subprocess.run([sys.executable, "-c", PROBE, *COMMAND], env=env, cwd=cwd,
                               capture_output=True, text=True).stderr.strip().splitlines()
     return {
-        "command": "python -m moegraph_cli.app " + " ".join(COMMAND),
+        "measured_command": "python -m moegraph_cli.app " + " ".join(COMMAND),
         "package": where.stdout.strip(),
         "heavy_modules_imported": imported[-1] if imported else None,
         "runs": runs,
@@ -85,28 +82,26 @@ def measure(runs: int, root: Path | None) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--root", type=Path, help="time this source tree of moegraph instead")
     ap.add_argument("--label", default=None, help="a name for this measurement")
-    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--out", type=Path, default=default_out("startup.json"))
     args = ap.parse_args()
+    env = environment(device=False)
     record = {
         "benchmark": "startup",
         "label": args.label,
-        "device": "CPU only: a start-up measurement, no GPU involved (not an H200 figure)",
-        "date": datetime.date.today().isoformat(),
+        "device": "CPU only: a start-up measurement, no GPU involved",
+        **env,
         "python": platform.python_version(),
-        "torch": _version("torch"),
-        "typer": _version("typer"),
+        "typer": version_of("typer"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
         **measure(args.runs, args.root.resolve() if args.root else None),
     }
-    text = json.dumps(record, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    print(json.dumps(record, indent=2))
+    write_json(args.out, record)
 
 
 if __name__ == "__main__":
