@@ -27,8 +27,12 @@ def default_out(name: str) -> Path:
 
 
 def git_commit() -> str | None:
-    """Short hash of HEAD, with `-dirty` when tracked files differ from it; outside a git
-    checkout (an exported tree), $MOEGRAPH_COMMIT as given, else None."""
+    """$MOEGRAPH_COMMIT when set (a copied tree whose git metadata may be stale, such as the
+    device machine's copy of a working tree); else the short hash of HEAD, with `-dirty` when
+    tracked files differ from it; None outside a git checkout."""
+    if os.environ.get("MOEGRAPH_COMMIT"):
+        return os.environ["MOEGRAPH_COMMIT"]
+
     def git(*args):
         try:
             return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
@@ -36,7 +40,7 @@ def git_commit() -> str | None:
             return None
     head = git("rev-parse", "--show-toplevel")
     if head is None or head.returncode != 0 or Path(head.stdout.strip()) != REPO:
-        return os.environ.get("MOEGRAPH_COMMIT")
+        return None
     head = git("rev-parse", "--short", "HEAD")
     dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     return head.stdout.strip() + ("-dirty" if dirty else "")
