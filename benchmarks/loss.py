@@ -6,7 +6,7 @@
 Paths, all bf16 x [T, H] and w [V, H] (w ~ N(0, 0.02)), labels with 10% ignored:
 - `fp32_ce`: logits = F.linear(x, w), then F.cross_entropy(logits.float(), labels), the
   model's `causal_lm_loss` (its label shift is an O(T) pad and left out);
-- `fused`: moegraph_cli.train.loss.linear_cross_entropy; `fused_inplace`: the same with
+- `fused`: moegraph_cli.models.common.loss.linear_cross_entropy; `fused_inplace`: the same with
   inplace_backward=True (dlogits overwrite the logits).
 Each is timed forward alone and forward + backward (dx and dW via torch.autograd.grad;
 CUDA events, median of --iters after warm-up), and its peak memory over one forward +
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from common import default_out, environment, time_ms, write_json
-from moegraph_cli.train.loss import linear_cross_entropy
+from moegraph_cli.models.common.loss import linear_cross_entropy
 
 
 def fp32_ce(x, w, labels):

@@ -15,7 +15,7 @@ Layout contract:
   A label outside [0, V) that is not ignore_index is not checked (no host sync): it gives
   loss[t] = NaN, so the mean loss shows it, and no one-hot term in the backward.
 - lse [T] and loss [T] fp32, every element written. The mean over kept rows is the caller's:
-  sum(loss) / n_valid (see moegraph_cli/train/loss.py).
+  sum(loss) / n_valid (see moegraph_cli/models/common/loss.py).
 - grad_loss (0-d or [1], any float dtype) and n_valid (0-d or [1], the number of kept rows,
   any dtype) are read from the device inside the backward kernel, so neither pass syncs with
   the host and both can be captured in a CUDA graph. n_valid == 0 leaves only ignored rows:

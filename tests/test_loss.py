@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moegraph_cli import grads
-from moegraph_cli.train.loss import causal_shift, linear_cross_entropy
+from moegraph_cli.models.common.loss import causal_shift, linear_cross_entropy
 from moegraph_kernels.cross_entropy import (cross_entropy_backward, cross_entropy_backward_ref,
                                             cross_entropy_forward, cross_entropy_forward_ref)
 

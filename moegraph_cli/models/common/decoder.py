@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import DEFAULT_PROFILE, ModelConfig, MoeConfig, load_profile, read_hf_config
-from ...train.loss import causal_shift, linear_cross_entropy
+from .loss import causal_shift, linear_cross_entropy
 from ...moe.routing import aux_loss_from_stats
 from .embedding import embedding
 from .linear import linear

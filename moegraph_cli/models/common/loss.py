@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .. import grads
+from ... import grads
 
 IMPLS = ("auto", "triton", "reference")
 
