@@ -51,7 +51,8 @@ def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | Non
                          f"of --nproc {parallel.world} --ep {parallel.ep}")
     moe = moe_memory(prof, device_type) if parallel is None or parallel.ep == 1 else \
         moe_memory_ep(prof, parallel, device_type)
-    kinds = {"attn": attn_memory(prof), "moe": moe, "mlp": mlp_memory(prof)}
+    kinds = {"attn": attn_memory(prof, device_type), "moe": moe,
+             "mlp": mlp_memory(prof, device_type)}
     if parallel is None:
         kinds = written_grads(kinds, prof, device_type)
     if parallel is None:
@@ -63,7 +64,7 @@ def step_model(prof: Profile, device_type: str = "cuda", calibration: dict | Non
     static["total"] += static["buffers"]
     breakdown.update(buffer_bytes=static["buffers"], total_bytes=static["total"])
     model = StepModel(prof=prof, scopes=scope_refs(prof), kinds=kinds, static=static,
-                      stream=b * T * H, tail=tail_memory(prof, sinks=parallel is None),
+                      stream=b * T * H, tail=tail_memory(prof, sinks=parallel is None, device_type=device_type),
                       fragmentation=fragmentation,
                       runtime=RUNTIME_BYTES if device_type == "cuda" else 0,
                       runtime_graph=RUNTIME_GRAPH_BYTES if device_type == "cuda" else 0,

@@ -42,7 +42,8 @@ from ..models.common.shapes import param_shapes
 from ..config import Profile
 from ..report.summary import DTYPE_BYTES, layer_shapes
 from .scope_memory import (ScopeMemory, expert_slots, first_moe_layer, loss_moments,
-                           param_bytes, rms_saved, route_block, shared_expert_memory)
+                           param_bytes, rms_saved, route_block, shared_expert_memory,
+                           fused_norms)
 
 EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down", "moe.b_gate_up", "moe.b_down")
 
@@ -288,7 +289,8 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
     if prof.moe.capacity is not None:
         from ..moe.routing import expert_capacity  # imports torch: only for capacity mode
         capacity = expert_capacity(T, k, E, prof.moe.capacity)
-    saved = rms_saved(T, H, b, True) + b * T * H  # post norm; x_TH (router, the all-gather)
+    fused = fused_norms(device_type)
+    saved = rms_saved(T, H, b, True, fused) + b * T * H  # post norm; x_TH (router, all-gather)
     saved += 4 * T * E + 8 * N  # softmax probs (fp32), top-k indices (int64)
     if c.norm_topk_prob:
         saved += 4 * N + 4 * T
@@ -329,6 +331,6 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
         bwd = b * T * H + params + max(experts_bwd, combine + 2 * b * NR) + 4 * T * E
     shared = shared_expert_memory(prof)
     return ScopeMemory("moe", saved + shared[0], b * T * H + 8 * E, b * T * H, fwd + shared[1],
-                       bwd + shared[2], params, saves_input=b == 4, fc1_saved=fc1_saved,
+                       bwd + shared[2], params, saves_input=fused or b == 4, fc1_saved=fc1_saved,
                        fc1_transient=fc1_transient)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 from ..config import Profile
@@ -97,9 +98,19 @@ def expert_slots(num_tokens: int, top_k: int, num_experts: int, block: int,
     return num_experts * (-(-capacity // block) * block)
 
 
-def rms_saved(rows: int, width: int, b: int, input_external: bool) -> int:
-    """moegraph's rms_norm saves x.float() (the input itself in fp32), rsqrt [rows, 1] fp32
-    and the normalised value in the model dtype (the weight multiply's other operand)."""
+def fused_norms(device_type: str) -> bool:
+    """Whether the norms run as Triton kernels (models/common/fused.py): on CUDA unless
+    MOEGRAPH_FUSED=0 (read the same way, without importing torch)."""
+    return device_type == "cuda" and os.environ.get("MOEGRAPH_FUSED", "1") not in ("0", "")
+
+
+def rms_saved(rows: int, width: int, b: int, input_external: bool, fused: bool = False) -> int:
+    """moegraph's torch rms_norm saves x.float() (the input itself in fp32), rsqrt [rows, 1]
+    fp32 and the normalised value in the model dtype (the weight multiply's other operand).
+    The fused kernel (`fused`, on CUDA) saves x itself and rstd [rows] fp32 only; x is the
+    scope's input (not counted here, `saves_input`) where `input_external`."""
+    if fused:
+        return (0 if input_external else b * rows * width) + 4 * rows
     upcast = 0 if (b == 4 and input_external) else 4 * rows * width
     return upcast + 4 * rows + b * rows * width
 
@@ -107,36 +118,39 @@ def rms_saved(rows: int, width: int, b: int, input_external: bool) -> int:
 SINK_PAD = 8  # common/sinks.PAD (not imported: the planner runs without torch)
 
 
-def attn_memory(prof: Profile) -> ScopeMemory:
+def attn_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
+    fused = fused_norms(device_type)
     H, D, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     Q = nh * D
     shapes = layer_shapes(c, 0)
     if "attn.kv_b_proj.weight" in shapes:
-        return mla_memory(prof)
+        return mla_memory(prof, device_type)
     # With sinks (GPT-OSS, common/sinks.py) SDPA runs at head dim D + PAD over S + 1 keys.
     sdpa_dim = D + SINK_PAD if "attn.sinks" in shapes else D
-    saved = (rms_saved(T, H, b, True) + b * T * H  # input norm; its output y (q/k/v input)
+    saved = (rms_saved(T, H, b, True, fused) + b * T * H  # input norm; its output y (q/k/v in)
              + 4 * b * T * nh * sdpa_dim  # SDPA's q, k, v (GQA-expanded) and its output
              + 4 * T * nh)  # SDPA's logsumexp
     for name, heads in (("attn.q_norm.weight", nh), ("attn.k_norm.weight", nkv)):
         if name in shapes:  # the family's q/k norm: per head ([D]) or over the projection
             width = shapes[name][0]
-            saved += rms_saved(T * heads * D // width, width, b, False)
+            saved += rms_saved(T * heads * D // width, width, b, False, fused)
     if c.clip_qkv is not None:  # each clamp keeps its input
         saved += b * T * (Q + 2 * nkv * D)
     if c.sliding_window is not None and prof.run.seq_len > c.sliding_window:
         saved += b * prof.run.seq_len ** 2  # SDPA keeps the window as an additive [S, S] mask
     params = param_bytes(prof, 0, "attn.")
     wide = max(H, Q)
-    fwd = (4 + b) * T * wide  # rms_norm's fp32 temporaries next to the projection output
+    # rms_norm's fp32 temporaries next to the projection output; fused: the q and k
+    # projections beside their normalised copies
+    fwd = 2 * b * T * wide if fused else (4 + b) * T * wide
     bwd = (b * T * H + params + b * T * Q
            + max(3 * b * T * Q + 4 * T * Q + 4 * T * nh, 12 * T * wide))
     return ScopeMemory("attn", saved, b * T * H, b * T * H, fwd, bwd, params,
-                       saves_input=b == 4)
+                       saves_input=fused or b == 4)
 
 
-def mla_memory(prof: Profile) -> ScopeMemory:
+def mla_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     """Multi-head latent attention (common/mla.py; DeepSeek-V3). Rq the q LoRA rank (none:
     a plain q_proj), R kv_lora_rank, r the rope part, Dp = max(q/k head dim, v_head_dim) the
     width SDPA runs at (v or q/k zero-padded). Saved: the input norm and y; the q LoRA norm and
@@ -147,18 +161,19 @@ def mla_memory(prof: Profile) -> ScopeMemory:
     H, nh, R, r = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
     Dp = max(c.qk_nope_head_dim + r, c.v_head_dim)
     Q, V = nh * Dp, nh * c.v_head_dim
-    saved = rms_saved(T, H, b, True) + b * T * H
+    fused = fused_norms(device_type)
+    saved = rms_saved(T, H, b, True, fused) + b * T * H
     if c.q_lora_rank is not None:
-        saved += rms_saved(T, c.q_lora_rank, b, False) + b * T * c.q_lora_rank
+        saved += rms_saved(T, c.q_lora_rank, b, False, fused) + b * T * c.q_lora_rank
     saved += (4 * T * (R + r) if b == 4 else 4 * T * R) + 4 * T + 2 * b * T * R
     saved += 4 * b * T * Q + 4 * T * nh + b * T * V
     params = param_bytes(prof, 0, "attn.")
     wide = max(H, Q, nh * (c.qk_nope_head_dim + c.v_head_dim))
-    fwd = (4 + b) * T * wide + 2 * b * T * Q  # fp32 norm temporaries; q/k before padding
+    fwd = (2 * b if fused else 4 + b) * T * wide + 2 * b * T * Q  # norm temporaries; q/k
     bwd = (b * T * H + params + b * T * Q
            + max(3 * b * T * Q + 4 * T * Q + 4 * T * nh, 12 * T * wide))
     return ScopeMemory("attn", saved, b * T * H, b * T * H, fwd, bwd, params,
-                       saves_input=b == 4)
+                       saves_input=fused or b == 4)
 
 
 def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
@@ -169,7 +184,8 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     capacity = None
     if prof.moe.capacity is not None:
         capacity = max(1, math.ceil(N * prof.moe.capacity / E))
-    saved = rms_saved(T, H, b, True) + b * T * H  # post norm; x_TH (router and experts)
+    fused = fused_norms(device_type)
+    saved = rms_saved(T, H, b, True, fused) + b * T * H  # post norm; x_TH (router, experts)
     saved += 4 * T * E + 8 * N  # softmax (or sigmoid) probs (fp32), top-k indices (int64)
     if c.norm_topk_prob:
         saved += 4 * N + 4 * T  # renormalisation's operands: fp32 top-k values and their sum
@@ -199,14 +215,15 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         saved += b * S * 2 * F  # Y1, the only F-scale tensor kept
         fc1_saved, fc1_transient = b * S * 2 * F, b * S * F
         saved += 8 * (S + 1) + 4 * (S // block) + 4 * N + 8 * E + 8  # the RouteList
-        fwd = max((4 + b) * T * H, b * S * F + b * S * H) + b * T * H  # act + Y2; combine out
+        fwd = max((2 * b if fused else 4 + b) * T * H, b * S * F + b * S * H) \
+            + b * T * H  # act + Y2; combine out
         dp_part = 4 * S * max(1, F // 128)
         bwd = (b * T * H + params + b * S * 2 * F  # dx, all grads, dY1
                + max(b * S * F + dp_part, b * S * H) + b * T * H + 4 * T * E)
     shared = shared_expert_memory(prof)
     return ScopeMemory("moe", saved + shared[0], b * T * H + 8 * E, b * T * H, fwd + shared[1],
-                       bwd + shared[2], params, saves_input=b == 4, fc1_saved=fc1_saved,
-                       fc1_transient=fc1_transient)
+                       bwd + shared[2], params, saves_input=fused or b == 4,
+                       fc1_saved=fc1_saved, fc1_transient=fc1_transient)
 
 
 def shared_expert_memory(prof: Profile) -> tuple[int, int, int]:
@@ -226,27 +243,32 @@ def shared_expert_memory(prof: Profile) -> tuple[int, int, int]:
     return saved, b * T * H + b * T * width, 3 * b * T * width + 2 * b * T * H
 
 
-def mlp_memory(prof: Profile) -> ScopeMemory:
+def mlp_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
     H, inter = c.hidden_size, c.intermediate_size
-    saved = rms_saved(T, H, b, True) + b * T * H + 4 * b * T * inter  # g, silu(g), u, g*u
+    fused = fused_norms(device_type)
+    saved = rms_saved(T, H, b, True, fused) + b * T * H + 4 * b * T * inter  # g, silu(g), u, g*u
     dense = [i for i in range(c.num_hidden_layers) if not c.is_moe_layer(i)]
     params = param_bytes(prof, dense[0], "mlp.") if dense else 0
-    fwd = (4 + b) * T * H + b * T * inter
+    fwd = (2 * b if fused else 4 + b) * T * H + b * T * inter
     bwd = b * T * H + params + 3 * b * T * inter + 12 * T * H
     return ScopeMemory("mlp", saved, b * T * H, b * T * H, fwd, bwd, params,
-                       saves_input=b == 4)
+                       saves_input=fused or b == 4)
 
 
-def tail_memory(prof: Profile, sinks: bool = True) -> dict[str, int]:
+def tail_memory(prof: Profile, sinks: bool = True, device_type: str = "cuda") -> dict[str, int]:
     """Final norm, lm head and loss.linear_cross_entropy (the trainers' keep_logits=False):
     the logits [T, V] in the model dtype are the only [T, V] tensor; their gradient
     overwrites them in backward; fp32 exists per row only (lse, per-token loss). `sinks`
     (one process): the lm head's dW is written into `.grad` by its GEMM, else returned."""
     c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
     H, V = c.hidden_size, c.vocab_size
+    fused = fused_norms(device_type)
     return {
-        "norm_saved": rms_saved(T, H, b, True) + b * T * H + 8 * T,  # + lm-head input, labels
+        # the final norm (fused: its input, the last layer's output, and rstd), the lm-head
+        # input, the labels
+        "norm_saved": rms_saved(T, H, b, False, fused) + b * T * H + 8 * T if fused
+        else rms_saved(T, H, b, True) + b * T * H + 8 * T,
         "logits": b * T * V,
         "loss_fwd_transient": 8 * T,  # per-token loss and the shifted labels
         "loss_saved": 4 * T + 8 * T,  # lse, labels

@@ -35,7 +35,8 @@ def test_static_memory_of_tiny_by_hand():
     assert model.static["total"] == params * 2 * 4 + rope == 325_277_696
 
 
-def test_scope_io_logits_and_saved_of_tiny_by_hand():
+def test_scope_io_logits_and_saved_of_tiny_by_hand(monkeypatch):
+    monkeypatch.setenv("MOEGRAPH_FUSED", "0")  # the torch norms' saved tensors, on CUDA
     prof = load_profile("tiny-qwen3-moe")
     model = step_model(prof)
     T = 2 * 512
@@ -338,3 +339,15 @@ def test_sink_attention_priced_at_its_padded_head_dim():
     c, T = prof.model, prof.run.batch * prof.run.seq_len
     b = 2 if prof.run.dtype == "bfloat16" else 4
     assert with_sinks - without == 4 * b * T * c.num_attention_heads * PAD
+
+
+def test_fused_norms_save_their_input_and_rstd_only():
+    """On CUDA the norms are Triton kernels (models/common/fused.py) that save x and rstd
+    [rows] fp32, not x.float() and the normalised value: the tiny attention scope by hand."""
+    m = step_model(load_profile("tiny-qwen3-moe")).kinds["attn"]
+    T = 2 * 512
+    by_hand = (4 * T + 2 * T * 512  # input norm: rstd (x is the scope's input); y
+               + 2 * T * 512 + 4 * T * 8  # q head norm: x, rstd per head
+               + 2 * T * 256 + 4 * T * 4  # k head norm
+               + 4 * 2 * T * 512 + 4 * T * 8)  # SDPA q, k, v, out; logsumexp
+    assert m.saved == by_hand and m.saves_input

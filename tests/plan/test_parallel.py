@@ -164,7 +164,8 @@ def test_ep_moe_scope_qwen3_by_hand():
     prof = load_profile(QWEN, SEQ_1K)
     m = moe_memory_ep(prof, Parallel(2, 2), "cuda")
     T, R, H, E, k, F, S = 1024, 2048, 2048, 128, 8, 768, 24576
-    router = rms_saved(T, H, 2, True) + 2 * T * H + 4 * T * E + 8 * T * k + 4 * T * k + 4 * T
+    router = rms_saved(T, H, 2, True, True) + 2 * T * H + 4 * T * E + 8 * T * k + 4 * T * k \
+        + 4 * T  # the fused post norm (CUDA): rstd; x is the scope's input
     route_list = 8 * (S + 1) + 4 * (S // 128) + 4 * R * k + 8 * 64 + 8
     assert m.saved == router + 2 * R * H + 2 * R * k + 2 * S * 2 * F + route_list
     assert m.param_grads == 2 * (64 * 3 * F * H + E * H + H)  # local experts, router, norm
@@ -215,8 +216,11 @@ def test_eager_step_of_a_rank_by_hand():
     t, a, m = model.tail, model.kinds["attn"], model.kinds["moe"]
     assert t["loss_bwd_transient"] == 0 and t["loss_saved"] == 12 * 1024
     root = 2 * (2 * 151936 * 2048 + 2048)
-    dyn = (root + model.stream + 48 * (a.saved + m.saved) + model.fsdp.head_grad
-           + model.fsdp.working_set(47, -1) + m.bwd_transient + model.fsdp.side_streams())
+    # every scope's input is kept too: the fused norms (CUDA) save their input x itself
+    assert a.saves_input and m.saves_input
+    dyn = (root + model.stream + 48 * (a.saved + m.saved) + n * model.stream
+           + model.fsdp.head_grad + model.fsdp.working_set(47, -1) + m.bwd_transient
+           + model.fsdp.side_streams())
     assert none.worst_moment == "backward of layers.47.moe"
     assert m.bwd_transient > m.param_grads  # returned, not written, on a rank
     assert none.eager_peak == int(dyn * (1 + FRAGMENTATION)) + model.runtime \
