@@ -1,6 +1,8 @@
 """The training step of one rank: its slice of the global batch, the loss scaled by 1/world
-(gradients are summed across ranks, see dist/model.py), expert gradients all-reduced over
-their replicas when ep < world, AdamW on the local shards.
+(gradients are summed across ranks, see dist/model.py), AdamW on the local shards. Expert
+gradients reach their replicas through FSDP2's reduce-scatter when the experts are sharded
+(ep < world); only experts kept replicated (a torch without FSDP2's per-parameter mesh) are
+all-reduced here.
 
 AdamW runs on plain tensors: the sharded (DTensor) parameters through aliases of their local
 shards, their gradients likewise. A fused AdamW over DTensors works too but pays DTensor's
@@ -64,7 +66,9 @@ class DistTrainer(GraphTrainer):
         self.optimizer = _Optimizers(model, lr, weight_decay)
         allocate_grads(model)
         self.session = None
-        self.experts = expert_parameters(model)
+        # experts replicated over rt.dp_size > 1 ranks as plain tensors (dist/model.py)
+        replicated = rt.dp_size > 1
+        self.experts = [p for p in expert_parameters(model) if replicated and not is_sharded(p)]
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.session is not None:
@@ -72,7 +76,7 @@ class DistTrainer(GraphTrainer):
         self.optimizer.zero_grad(set_to_none=False)
         out = self.model(input_ids, labels=input_ids, keep_logits=False)
         (out.loss / self.rt.world).backward()
-        if self.rt.dp_size > 1:
+        if self.experts:
             reduce_expert_grads(self.experts, self.rt.dp_group)
         self.optimizer.step()
         return out.loss.detach()
