@@ -27,17 +27,18 @@ materialised (seeded, or read from a checkpoint slice by slice).
 - Cost and overlap of sharded experts: a layer all-gathers its experts before its forward and
   again before its backward (they are resharded after the forward, so unsharded experts live
   only while their layer runs), and reduce-scatters their fp32 gradients after its backward.
-  Layer i's pre-forward also issues layer i + 1's all-gather (`set_modules_to_forward_prefetch`);
-  in the backward FSDP2's implicit prefetch gathers layer i - 1 while layer i runs; on CUDA
-  FSDP2 runs both collectives on its own streams, beside the compute. On gloo a collective
-  blocks the thread that issues it, so nothing overlaps on a CPU. Measured on CPU only (gloo,
-  4 ranks on 2 busy cores, ep 2, tiny-qwen3-moe with vocab 2048: 2 MoE layers of 8 experts,
-  hidden 512, width 256; 128 tokens a rank; fp32; medians of 7 steps, 4 runs): a step took
-  0.74-0.93 s, the experts' all-gathers 0.06-0.08 s of it and their reduce-scatters 0.04-0.10 s
-  (about 15% together); replicated experts instead (2 runs): a 0.84-0.92 s step, 0.05-0.07 s of it in
-  their gradients' all-reduce. Per rank and step, with r replicas, the all-reduce moves
-  2 (r-1)/r of the fp32 gradients; sharding moves (r-1)/r of them (reduce-scatter) plus twice
-  (r-1)/r of the weights in the run dtype (the two all-gathers).
+  Layer i's pre-forward also issues layer i + 1's all-gather
+  (`set_modules_to_forward_prefetch`); in the backward FSDP2's implicit prefetch gathers
+  layer i - 1 while layer i runs; on CUDA FSDP2 runs both collectives on its own streams,
+  beside the compute. On gloo a collective blocks the thread that issues it, so nothing
+  overlaps on a CPU. Measured on CPU only (gloo, 4 ranks on 2 busy cores, ep 2,
+  tiny-qwen3-moe with vocab 2048: 2 MoE layers of 8 experts, hidden 512, width 256; 128
+  tokens a rank; fp32; medians of 7 steps, 4 runs): a step took 0.74-0.93 s, the experts'
+  all-gathers 0.06-0.08 s of it and their reduce-scatters 0.04-0.10 s (about 15% together);
+  replicated experts instead (2 runs): a 0.84-0.92 s step, 0.05-0.07 s of it in their
+  gradients' all-reduce. Per rank and step, with r replicas, the all-reduce moves 2 (r-1)/r
+  of the fp32 gradients; sharding moves (r-1)/r of them (reduce-scatter) plus twice (r-1)/r
+  of the weights in the run dtype (the two all-gathers).
 - Loading: the local shard of a sharded expert stack is a contiguous range of global experts
   (its dim-0 chunk of the EP rank's experts), the same range for every stack, so
   `seeded_init_` and `load_local_` fill it as a plain local expert stack of that range
@@ -133,8 +134,11 @@ def _shard(model: MoeCausalLM, rt: Runtime) -> None:
         kwargs = {"shard_placement_fn": placement} if mine and placement is not None else {}
         units.append(fully_shard(layer, mesh=rt.fsdp_mesh, mp_policy=policy,
                                  ignored_params=(mine & plain) or None, **kwargs))
-        if mine and sharded:
-            units[-1].set_reduce_scatter_unused_params(True, recurse=False)
+        # A rank whose experts got no route sends zeros. (With ep == 1 every rank routes to
+        # its experts: a torch without the setting needs none.)
+        unused = getattr(units[-1], "set_reduce_scatter_unused_params", None)
+        if mine and sharded and unused is not None:
+            unused(True, recurse=False)
     if sharded:
         for unit, after in zip(units, units[1:]):
             unit.set_modules_to_forward_prefetch([after])

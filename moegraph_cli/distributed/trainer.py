@@ -29,9 +29,10 @@ def _adamw(params: list, lr: float, weight_decay: float):
 
 
 class _Optimizers:
-    """One AdamW over plain tensors: the expert parameters and, for each sharded parameter,
-    an alias of its local shard (`to_local().detach()` shares the storage FSDP2 keeps for the
-    run). Gradients must exist (allocate_grads) and are zeroed in place, never set to None."""
+    """One AdamW over plain tensors: the plain parameters (experts when ep == world) and, for
+    each sharded parameter (sharded experts too), an alias of its local shard
+    (`to_local().detach()` shares the storage FSDP2 keeps for the run). Gradients must exist
+    (allocate_grads) and are zeroed in place, never set to None."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float):
         params = [p for p in model.parameters() if p.requires_grad]
