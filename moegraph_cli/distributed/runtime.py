@@ -4,9 +4,9 @@ agreements the graph engine and the commands need.
 Groups (all from torch.distributed, set up once per process):
 - the world group (NCCL on GPUs, gloo on CPUs) with a timeout, so an eager collective that
   never completes ends the run with an error instead of a hang;
-- a 2-D DeviceMesh (dp, ep) of shape (world / ep, ep): experts are sharded over `ep` (each EP
-  rank owns num_experts / ep experts) and replicated over `dp`, whose group all-reduces the
-  expert gradients when there is more than one replica;
+- a 2-D DeviceMesh (dp, ep) of shape (world / ep, ep): experts are split over `ep` (each EP
+  rank owns num_experts / ep experts) and FSDP2-sharded over `dp` (`dp_mesh`: the world / ep
+  ranks that hold the same experts; dist/model.py);
 - a 1-D DeviceMesh over the whole world for FSDP2: every rank trains on its own data, so dense
   parameters are sharded over all of them;
 - a gloo group on the CPU for decisions (graph vs eager, rollback): agreeing on a flag there
@@ -40,6 +40,7 @@ class Runtime:
     fsdp_mesh: object
     control: object  # gloo group for decisions
     watchdog: object = None  # dist/watchdog.Watchdog while a command runs
+    dp_mesh: object = None  # 1-D DeviceMesh over dp_group: the experts' FSDP2 mesh
 
     def beat(self, phase: str | None = None) -> None:
         """A heartbeat for the step watchdog (a captured collective has no timeout)."""
@@ -108,7 +109,7 @@ def setup(ep: int, num_experts: int, device_kind: str, timeout_s: float) -> Runt
     control = dist.new_group(backend="gloo", timeout=timeout)
     return Runtime(rank=rank, world=world, local_rank=local_rank, device=device, ep=ep_group,
                    ep_size=ep, dp_group=mesh.get_group("dp"), dp_size=world // ep,
-                   fsdp_mesh=fsdp_mesh, control=control)
+                   fsdp_mesh=fsdp_mesh, dp_mesh=mesh["dp"], control=control)
 
 
 def teardown() -> None:

@@ -1,6 +1,8 @@
 """The training step of one rank: its slice of the global batch, the loss scaled by 1/world
-(gradients are summed across ranks, see dist/model.py), expert gradients all-reduced over
-their replicas when ep < world, AdamW on the local shards.
+(gradients are summed across ranks, see dist/model.py), AdamW on the local shards. Expert
+gradients reach their replicas through FSDP2's reduce-scatter when the experts are sharded
+(ep < world); only experts kept replicated (a torch without FSDP2's per-parameter mesh) are
+all-reduced here.
 
 AdamW runs on plain tensors: the sharded (DTensor) parameters through aliases of their local
 shards, their gradients likewise. A fused AdamW over DTensors works too but pays DTensor's
@@ -27,9 +29,10 @@ def _adamw(params: list, lr: float, weight_decay: float):
 
 
 class _Optimizers:
-    """One AdamW over plain tensors: the expert parameters and, for each sharded parameter,
-    an alias of its local shard (`to_local().detach()` shares the storage FSDP2 keeps for the
-    run). Gradients must exist (allocate_grads) and are zeroed in place, never set to None."""
+    """One AdamW over plain tensors: the plain parameters (experts when ep == world) and, for
+    each sharded parameter (sharded experts too), an alias of its local shard
+    (`to_local().detach()` shares the storage FSDP2 keeps for the run). Gradients must exist
+    (allocate_grads) and are zeroed in place, never set to None."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float):
         params = [p for p in model.parameters() if p.requires_grad]
@@ -64,7 +67,9 @@ class DistTrainer(GraphTrainer):
         self.optimizer = _Optimizers(model, lr, weight_decay)
         allocate_grads(model)
         self.session = None
-        self.experts = expert_parameters(model)
+        # experts replicated over rt.dp_size > 1 ranks as plain tensors (dist/model.py)
+        replicated = rt.dp_size > 1
+        self.experts = [p for p in expert_parameters(model) if replicated and not is_sharded(p)]
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.session is not None:
@@ -72,7 +77,7 @@ class DistTrainer(GraphTrainer):
         self.optimizer.zero_grad(set_to_none=False)
         out = self.model(input_ids, labels=input_ids, keep_logits=False)
         (out.loss / self.rt.world).backward()
-        if self.rt.dp_size > 1:
+        if self.experts:
             reduce_expert_grads(self.experts, self.rt.dp_group)
         self.optimizer.step()
         return out.loss.detach()

@@ -69,7 +69,7 @@ def test_graph_matches_eager_bitwise_ep2():
 
 
 def test_graph_matches_eager_bitwise_capacity_dp_replicas():
-    """4 ranks, ep 2: experts replicated over 2 data-parallel replicas; capacity mode."""
+    """4 ranks, ep 2: experts sharded over 2 data-parallel replicas; capacity mode."""
     run_gloo(_bitwise, 4, 2, ["moe.mode=capacity", "moe.capacity_factor=0.5"])
 
 
