@@ -87,7 +87,7 @@ class FsdpLayout:
 
     b: int
     world: int
-    dp: int  # expert replicas (W / P): their grads are all-reduced after backward when > 1
+    dp: int  # expert replicas (W / P): each expert FSDP2-sharded over them when > 1
     root: FsdpUnit
     layers: list[FsdpUnit]
     kind_dense: dict[str, int]  # per scope kind: its moving (FSDP-sharded) parameter elements
@@ -198,22 +198,33 @@ class FsdpLayout:
         top = live - self.head_grad + b * self.root.numel + self.reduce_scatter(self.root)
         if top > peak:
             peak, where = top, "reduce-scatter of the root"
-        if self.dp > 1:  # expert grads summed over their replicas, one fp32 copy at a time
-            top = live - root - self.head_grad + 4 * self.expert_block
-            if top > peak:
-                peak, where = top, "expert-gradient all-reduce"
         return peak + self.side_streams(), where
 
 
+def local_expert_shape(shape, parallel: Parallel) -> tuple[int, ...]:
+    """One EP rank's slice [E / P, ...] of an expert stack."""
+    return (shape[0] // parallel.ep, *shape[1:])
+
+
 def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
+    """A rank's FSDP2 units. With dp = W / P > 1 replicas of each expert, a layer's unit
+    also holds its local expert stacks, sharded over the dp ranks (distributed/model.py):
+    gathered per layer like the dense parameters, moving parameters of the moe graphs."""
     c, b, W = prof.model, DTYPE_BYTES[prof.run.dtype], parallel.world
+    dp = W // parallel.ep
     shapes = param_shapes(c)
     numel: dict[str, int] = {}
     shard: dict[str, int] = {}
     for name, shape in shapes.items():
-        if name.endswith(EXPERT_STACKS):
-            continue
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        if name.endswith(EXPERT_STACKS):
+            if dp == 1:
+                continue  # plain stacks at stable addresses, no FSDP2
+            local = local_expert_shape(shape, parallel)
+            numel[unit] = numel.get(unit, 0) + math.prod(local)
+            # the dp-way all-gather's output, counted in the unit's W-way terms
+            shard[unit] = shard.get(unit, 0) + -(-dp * shard_numel(local, dp) // W)
+            continue
         numel[unit] = numel.get(unit, 0) + math.prod(shape)
         shard[unit] = shard.get(unit, 0) + shard_numel(shape, W)
     kind_dense: dict[str, int] = {}  # the moving parameters of one scope of each kind
@@ -221,7 +232,10 @@ def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
         per_kind: dict[str, int] = {}
         for name, shape in layer_shapes(c, i).items():
             kind = name.split(".")[0]
-            dense_part = 0 if name.endswith(EXPERT_STACKS) else math.prod(shape)
+            if name.endswith(EXPERT_STACKS):
+                dense_part = math.prod(local_expert_shape(shape, parallel)) if dp > 1 else 0
+            else:
+                dense_part = math.prod(shape)
             per_kind[kind] = per_kind.get(kind, 0) + dense_part
         for kind, n in per_kind.items():
             kind_dense.setdefault(kind, n)
@@ -247,7 +261,10 @@ def static_per_rank(prof: Profile, parallel: Parallel) -> tuple[dict[str, int], 
         else:
             dense += math.prod(shape)
             dense_shard += shard_numel(shape, W)
-    local_experts = experts // parallel.ep
+    # each rank's slice of its E / P experts: FSDP2-sharded over the dp = W / P replicas
+    local_experts = sum(shard_numel(local_expert_shape(shape, parallel), W // parallel.ep)
+                        for name, shape in param_shapes(c).items()
+                        if name.endswith(EXPERT_STACKS))
     n = dense_shard + local_experts
     static = {"weights": n * b, "grads": n * b, "optimizer": 2 * n * b}
     static["total"] = sum(static.values())
