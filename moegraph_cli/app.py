@@ -22,9 +22,10 @@ from moegraph_kernels.env import KernelEnvError
 from typer.core import TyperGroup
 
 from .report import render
+from .report.stdout import check_stdout, stdout
 from .commands import cli_run, cli_setup
 from .commands.cli_options import fail
-from .errors import EXIT_ERROR, EXIT_USAGE, MoegraphError
+from .errors import EXIT_ERROR, EXIT_USAGE, MoegraphError, os_error
 
 try:  # typer >= 0.20 carries its own copy of click
     from typer._click.exceptions import ClickException, UsageError as ClickUsageError
@@ -95,11 +96,18 @@ def _root(version: Annotated[bool, typer.Option(
 
 
 def command(fn):
-    """Turn library errors into one line on stderr and the error's exit code."""
+    """Turn library errors into one line on stderr and the error's exit code.
+
+    An OSError no check caught first (a path too long, a read-only file system, a full disk)
+    is one line naming its path (errors.os_error); stdout closed, full or a broken pipe is
+    one line too (report/stdout.py), and a closed stdout is refused before any work."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            check_stdout()
+            result = fn(*args, **kwargs)
+            stdout.flush()  # a full stdout fails here, not at exit
+            return result
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except MoegraphError as e:
@@ -112,6 +120,12 @@ def command(fn):
                 raise
             fail(str(e), EXIT_USAGE)
             raise typer.Exit(EXIT_USAGE) from None
+        except OSError as e:
+            if os.environ.get("MOEGRAPH_DEBUG") == "1":
+                raise
+            error = os_error(e)
+            fail(str(error), error.exit_code)
+            raise typer.Exit(error.exit_code) from None
         except Exception as e:  # noqa: BLE001 - the CLI promises no raw tracebacks
             if os.environ.get("MOEGRAPH_DEBUG") == "1":
                 raise

@@ -68,7 +68,7 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         torch.cuda.empty_cache()
         reset_peaks()
         trainer.session = session if ok else None
-        bar.advance("graph steps" if ok else "eager steps (capture rolled back)")
+        tick("graph steps" if ok else "eager steps (capture rolled back)")
         failure = session.failure
         dropped_routes(model, reset=True)  # warm-up and recording ran the experts too
         try:

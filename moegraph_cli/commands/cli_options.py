@@ -12,6 +12,7 @@ import typer
 
 from ..report import render
 from ..config import DEFAULT_PROFILE, profile_names
+from ..config.fields import BOUNDS, check_option
 from ..errors import UsageError
 
 
@@ -42,10 +43,11 @@ ScopesOpt = Annotated[Optional[str], typer.Option(
 PoolOpt = Annotated[Optional[str], typer.Option(
     "--pool", metavar="NAME",
     help="Pool strategy: shared, per_scope or per_entry (default: the profile's).")]
+MAX_NPROC = BOUNDS["--nproc"].high
 NprocOpt = Annotated[Optional[int], typer.Option(
     "--nproc", metavar="N",
-    help="Run on N local processes, one per GPU, started by torch.distributed.run (run.batch "
-    "is per rank). Also works under torchrun.")]
+    help=f"Run on N local processes (1..{MAX_NPROC}), one per GPU, started by "
+    "torch.distributed.run (run.batch is per rank). Also works under torchrun.")]
 EpOpt = Annotated[int, typer.Option(
     "--ep", metavar="E",
     help="Expert-parallel degree: each of E ranks owns num_experts/E experts; E divides the "
@@ -89,8 +91,8 @@ def distribute(spec, nproc: Optional[int], ep: int) -> None:
     from ..distributed.layout import check_parallelism
 
     if worker_env() is None:
-        if nproc is not None and nproc < 1:
-            raise UsageError(f"--nproc must be at least 1, got {nproc}")
+        check_option("--nproc", nproc)
+        check_option("--ep", ep)
         if ep != 1 and (nproc or 1) == 1:
             raise UsageError(f"--ep {ep} needs several processes: add --nproc N (or start the "
                              "command with torchrun)")
@@ -98,6 +100,13 @@ def distribute(spec, nproc: Optional[int], ep: int) -> None:
     code = maybe_launch(sys.argv[1:], nproc)
     if code is not None:
         raise typer.Exit(code)
+
+
+def check_options(**values) -> None:
+    """Numeric options against their bounds (config/fields.py BOUNDS), before any work:
+    check_options(steps=0) refuses `--steps 0` as `--set run.steps=0` would be."""
+    for name, value in values.items():
+        check_option("--" + name.replace("_", "-"), value)
 
 
 def collect_overrides(sets: Optional[list[str]], scopes: Optional[str] = None,

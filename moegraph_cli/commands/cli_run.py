@@ -5,6 +5,7 @@ torch only when it runs."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Optional
 
 import typer
@@ -13,8 +14,31 @@ from ..report import render
 from ..errors import EXIT_PARITY
 from ..units import SIZE_CONVENTION
 from .cli_options import (CheckpointOpt, EpOpt, JsonOpt, MkdirOpt, NprocOpt, PoolOpt,
-                          ProfileOpt, ScopesOpt, SetOpt, collect_overrides, distribute, fail,
-                          resolve_spec)
+                          ProfileOpt, ScopesOpt, SetOpt, check_options, collect_overrides,
+                          distribute, fail, resolve_spec)
+
+
+# What torch prints during a GPU run that says nothing about the user's run: a command's
+# stderr holds its own messages only. Each filter is one message, from the module it comes
+# from (a Python frame of torch's, or moegraph's own linear that called into cuBLAS).
+TORCH_NOISE = (
+    # cuBLAS first used in autograd's device thread, which has no current CUDA context: torch
+    # makes the primary context current itself and goes on (CublasHandlePool.cpp).
+    (r"Attempting to run cuBLAS, but there was no current CUDA context",
+     r"(torch|moegraph_cli)\."),
+    # capture_end of a graph that recorded no kernel: the session's own checks and counters
+    # (fallback, replayed, parity in verify) say whether capture worked.
+    (r"The CUDA Graph is empty", r"torch\.cuda\.graphs"),
+    # torch.profiler's note on cycles (a schedule's), shown by some releases on every use.
+    (r"Warning: Profiler clears events at the end of each cycle", r"torch\.profiler"),
+)
+
+
+def quiet_torch() -> None:
+    """Filter TORCH_NOISE (and nothing else) for the rest of this process."""
+    for message, module in TORCH_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning,
+                                module=module)
 
 
 def capture(
@@ -40,6 +64,8 @@ def capture(
     from .capture import capture_command
     from ..distributed.context import command_runtime
 
+    quiet_torch()
+    check_options(steps=steps, warmup=warmup)
     spec = resolve_spec(profile, checkpoint, collect_overrides(set_, scopes, pool))
     distribute(spec, nproc, ep)
     with command_runtime(spec, ep) as rt:
@@ -73,6 +99,8 @@ def profile(
     from ..io.outputs import check_output_file
     from .profile import profile_command
 
+    quiet_torch()
+    check_options(steps=steps)
     for flag, path in (("--out", out), ("--plot", plot), ("--calibrate", calibrate)):
         check_output_file(path, flag, mkdir)
     spec = resolve_spec(profile, checkpoint, collect_overrides(set_, scopes))
@@ -93,7 +121,8 @@ def verify(
     scopes: ScopesOpt = None,
     pool: PoolOpt = None,
     tolerance: Annotated[float, typer.Option(
-        metavar="X", help="Relative loss tolerance when lr > 0.")] = 2e-2,
+        metavar="X", help="Relative loss tolerance when lr > 0 (a finite number >= 0).")
+        ] = 2e-2,
     reference: Annotated[Optional[str], typer.Option(
         metavar="transformers|single",
         help="Also check against `transformers` (logits; needs it installed) or `single` (with "
@@ -107,6 +136,8 @@ def verify(
     from ..distributed.context import command_runtime
     from .verify import verify_command
 
+    quiet_torch()
+    check_options(steps=steps, tolerance=tolerance)
     spec = resolve_spec(profile, checkpoint, collect_overrides(set_, scopes, pool))
     distribute(spec, nproc, ep)
     with command_runtime(spec, ep) as rt:

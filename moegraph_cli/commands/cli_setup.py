@@ -10,10 +10,14 @@ import typer
 
 from ..report import render
 from ..config import DEFAULT_PROFILE, profile_names
+from ..config.fields import BOUNDS, check_option
 from ..errors import UsageError
 from ..units import SIZE_CONVENTION
-from .cli_options import (PROFILES, CheckpointOpt, JsonOpt, MkdirOpt, ProfileOpt, ScopesOpt,
-                          SetOpt, collect_overrides, resolve_spec)
+from .cli_options import (MAX_NPROC, PROFILES, CheckpointOpt, JsonOpt, MkdirOpt, ProfileOpt,
+                          ScopesOpt, SetOpt, collect_overrides, resolve_spec)
+
+_SEED = BOUNDS["run.seed"]
+SEED_RANGE = f"{_SEED.low}..{_SEED.high}"
 
 
 def profile_table() -> str:
@@ -43,7 +47,8 @@ def init(
         metavar="DIR", help="Output directory for the checkpoint (created; its parent must "
         "exist unless --mkdir).")],
     seed: Annotated[Optional[int], typer.Option(
-        metavar="N", help="Weight seed (default: the profile's).")] = None,
+        metavar="N", help=f"Weight seed, {SEED_RANGE} (default: the profile's run.seed).")
+        ] = None,
     max_shard_size: Annotated[str, typer.Option(
         metavar="SIZE", help=f"Shard above this size, e.g. 5GiB ({SIZE_CONVENTION}).")] = "5GiB",
     force: Annotated[bool, typer.Option(
@@ -109,8 +114,8 @@ def plan(
         help="Pool-size calibration file (from `moegraph profile --calibrate`).")] = None,
     nproc: Annotated[Optional[int], typer.Option(
         "--nproc", metavar="N",
-        help="Plan one rank of a run on N processes (run.batch is per rank; the budget is one "
-        "GPU's). Nothing is launched.")] = None,
+        help=f"Plan one rank of a run on N processes (1..{MAX_NPROC}; run.batch is per rank; "
+        "the budget is one GPU's). Nothing is launched.")] = None,
     ep: Annotated[int, typer.Option(
         "--ep", metavar="E",
         help="Expert-parallel degree of that run: each rank holds num_experts/E experts; E "
@@ -123,6 +128,8 @@ def plan(
     from ..io.outputs import check_output_file
     from ..plan.planner import plan_command
 
+    check_option("--nproc", nproc)
+    check_option("--ep", ep)
     check_output_file(out, "--out", mkdir)
     spec = resolve_spec(profile, checkpoint, collect_overrides(set_, scopes))
     result = plan_command(spec, budget=budget, pool=pool, out=out, savings=savings,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from ..io.checkpoint_save import SaveLayout, save_layout, write_checkpoint
 from ..io.hf_names import hf_to_moegraph_names, to_hf_layout
 from ..config import ModelConfig
+from ..config.fields import check_option
 from ..errors import MoegraphError, UsageError
 from ..io.outputs import check_output_dir
 from ..units import fmt_bytes
@@ -83,6 +84,7 @@ def create_checkpoint(spec: "RunSpec", out_dir: str | Path, seed: int | None = N
                       max_shard_bytes: int | None = None, force: bool = False,
                       mkdir: bool = False, progress: bool = False) -> dict:
     """Write `spec`'s model, seeded, to `out_dir`; see the module docstring."""
+    check_option("--seed", seed)  # the rule of run.seed
     out = Path(out_dir)
     check_output_dir(out, "init:", mkdir)
     if out.is_dir() and any(out.iterdir()) and not force:

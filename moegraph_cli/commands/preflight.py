@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.fields import check_option
 from ..plan.capability import check_capturable, check_whole_step
 from ..errors import UsageError
 from ..train.runspec import RunSpec
@@ -24,10 +25,8 @@ def check_inputs(spec: RunSpec, plan_file: str | None = None, memory_limit: str 
     """Load and check everything a GPU command was given, for a run on `world` ranks with
     `ep`-way expert parallelism; last, refuse a setting graphs cannot capture (exit 4)."""
     prof, run = spec.profile, spec.profile.run
-    if steps is not None and steps <= 0:
-        raise UsageError(f"--steps must be positive, got {steps}")
-    if warmup is not None and warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {warmup}")
+    check_option("--steps", steps)
+    check_option("--warmup", warmup)
     limit = None
     if memory_limit is not None:
         from ..units import parse_bytes

@@ -22,8 +22,9 @@ import gc
 
 import torch
 
+from ..config.fields import check_option
 from ..distributed.context import place, ticker
-from ..errors import NotCapturableError, UsageError
+from ..errors import MoegraphError, NotCapturableError, UsageError
 from ..train.harness import build_session, capture_into, device_info, make_trainer
 from .preflight import check_inputs
 from ..report.render import Progress
@@ -53,6 +54,28 @@ def _grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> tuple[float, str]:
     return worst, where
 
 
+def _refuse_non_finite(spec: RunSpec, model: torch.nn.Module, rt) -> None:
+    """A NaN or an infinity among the weights makes both runs' losses NaN: that is no parity
+    failure but bad weights, named before anything is compared (exit 1). Distributed: every
+    rank scans its shards and all agree, naming the first rank's find."""
+    from itertools import chain
+
+    from ..models.common.finite import first_non_finite
+
+    bad = first_non_finite(chain(model.named_parameters(), model.named_buffers()))
+    reason = None
+    if bad is not None:
+        source = f"checkpoint {spec.checkpoint}" if spec.checkpoint else spec.source
+        reason = (f"verify: weight {bad[0]} of {source} is not finite ({bad[1]}); eager "
+                  "and graph losses on such weights compare nothing")
+    if rt is not None:
+        ok, reason = rt.all_ok(reason is None, reason)
+        if ok:
+            return
+    if reason is not None:
+        raise MoegraphError(reason)
+
+
 def _free_memory(device: torch.device) -> float:
     if device.type != "cuda":
         return float("inf")
@@ -62,6 +85,7 @@ def _free_memory(device: torch.device) -> float:
 def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: float = 2e-2,
                    reference: str | None = None, progress: bool = True, rt=None) -> dict | None:
     prof, run = spec.profile, spec.profile.run
+    check_option("--tolerance", tolerance)
     if reference is not None and reference not in REFERENCES:
         raise UsageError(f"--reference {reference!r} must be one of {', '.join(REFERENCES)}")
     if reference == "single" and rt is None:
@@ -72,7 +96,11 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
     if rt is not None:
         device = rt.device
     else:
-        device = pick_device(run.device, need_cuda=run.device != "cpu")
+        try:
+            device = pick_device(run.device, need_cuda=run.device != "cpu")
+        except NotCapturableError as e:
+            raise NotCapturableError(f"{e}; verify also runs on a CPU (emulated graphs) with "
+                                     "--set run.device=cpu") from None
     lr = 0.0 if lr0 else run.lr
     side_by_side = 2.5 * static_memory(prof.model, run.dtype)["total"] / world \
         < _free_memory(device)
@@ -90,17 +118,20 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
     with Progress(progress and rank == 0, 2 * steps + 1, "verify") as bar:
         tick = ticker(bar, rt)
         graph_model, graph_trainer = make()
+        _refuse_non_finite(spec, graph_model, rt)
         gi = batch_iter()
         session = build_session(graph_model, run.scopes, run.pool, rt=rt,
                                 grad_accum=run.grad_accum, trainer=graph_trainer)
         first = next(batch_iter())
+        if rt is not None:
+            rt.beat("capture")
         if not capture_into(graph_model, session, first, rt, run.grad_accum):
             failure = session.failure
             session.uninstall()
             raise NotCapturableError(f"capture failed: {failure}")
         graph_trainer.session = session
         backend_name = session.backend.name
-        bar.advance("steps")
+        tick("steps")
         if side_by_side:
             eager_model, eager_trainer = make()
             ei = batch_iter()

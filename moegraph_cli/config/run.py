@@ -8,7 +8,7 @@ import typing
 from dataclasses import dataclass, field
 
 from ..io.documents import show
-from .fields import MAX_SEED, check_int_sizes, invalid
+from .fields import BOUNDS, check_int_sizes, invalid
 
 
 # What recompute may do to one scope, per scope kind (models/common/recompute.py).
@@ -54,14 +54,9 @@ class RunConfig:
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise invalid("dtype", f"run.dtype {show(self.dtype)} must be bfloat16, float32 "
                           "or float16")
-        for name in ("batch", "seq_len", "steps", "pipeline_interleave", "grad_accum"):
-            if getattr(self, name) <= 0:
-                raise invalid(name, f"run.{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup", "lr", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise invalid(name, f"run.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise invalid("seed", f"run.seed must be in 0..{MAX_SEED}, got {self.seed}")
+        for name in ("batch", "seq_len", "steps", "pipeline_interleave", "grad_accum",
+                     "warmup", "lr", "weight_decay", "seed"):
+            BOUNDS[f"run.{name}"].check(f"run.{name}", getattr(self, name), name)
         bad = [s for s in self.scopes if s not in ("attn", "moe", "step")]
         if bad:
             raise invalid("scopes", f"run.scopes: unknown scope {show(bad[0])}; choose from "

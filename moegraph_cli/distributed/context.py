@@ -35,10 +35,13 @@ def command_runtime(spec, ep: int = 1):
     from .watchdog import Watchdog
 
     timeout = collective_timeout_s()
+    # The process group's own timeout a little later than the watchdog's: a stuck collective
+    # then ends with the watchdog's line, which names the phase, not with a bare timeout.
     rt = setup(ep, spec.profile.model.num_experts, device_kind(spec.profile.run.device),
-               timeout)
+               timeout * 1.1 + 2)
     try:
         with Watchdog(timeout, rt.rank) as wd:
+            wd.phase("set-up (the model, its shards, the optimizer)")
             rt.watchdog = wd
             yield rt
     finally:
@@ -51,11 +54,12 @@ def place(rt) -> tuple[int, int, int]:
 
 
 def ticker(bar, rt):
-    """A per-step callback: advance the progress bar, and beat the rank's watchdog."""
+    """A per-step callback: advance the progress bar, and beat the rank's watchdog with the
+    phase the bar shows ("graph steps (7 of 27 done)"), so a stuck rank says where it was."""
     def tick(description=None):
         bar.advance(description)
         if rt is not None:
-            rt.beat()
+            rt.beat(f"{bar.description} ({bar.done} of {bar.total} done)")
     return tick
 
 

@@ -11,7 +11,9 @@ The launcher and its ranks share three environment variables:
   MOEGRAPH_COLLECTIVE_TIMEOUT_S   how long a collective may take (the Watchdog's default)
 When a run fails, several ranks usually report: the first one is the cause and the rest
 failed because of it (a peer vanished, a collective broke), so `launch` prints the report
-with the earliest time and returns that rank's exit code.
+with the earliest time and returns that rank's exit code. A rank killed by a signal (kill -9,
+the OOM killer) reports nothing; its peers report a closed connection. Then the killed rank is
+named, with its signal, and not its peers' symptom.
 
 Only rank 0's stdout/stderr reach the terminal, so one process renders the tables, progress
 and JSON. The other ranks write to log files in the launch's temp dir, which is removed at
@@ -34,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..config.fields import check_option
 from ..errors import EXIT_ERROR, UsageError, one_line
 
 ENV_LAUNCHED = "MOEGRAPH_LAUNCHED"
@@ -155,8 +158,7 @@ def maybe_launch(argv: list[str], nproc: int | None) -> int | None:
     """
     if nproc is None or worker_env() is not None:
         return None
-    if nproc < 1:
-        raise UsageError(f"--nproc must be at least 1, got {nproc}")
+    check_option("--nproc", nproc)
     if nproc == 1:
         return None
     import torch
@@ -175,8 +177,7 @@ def launch(argv: list[str], nproc: int, *, module: str = "moegraph_cli.app",
     On failure prints exactly one line on stderr, `moegraph: error: rank R: <message>`.
     Ctrl-C stops every rank and returns 130.
     """
-    if nproc < 1:
-        raise UsageError(f"--nproc must be at least 1, got {nproc}")
+    check_option("--nproc", nproc)
     debug = os.environ.get("MOEGRAPH_DEBUG") == "1"
     # Imported here: the ranks import this module too and need none of the launcher.
     from torch.distributed import run as torchrun
@@ -219,26 +220,62 @@ def launch(argv: list[str], nproc: int, *, module: str = "moegraph_cli.app",
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# What a rank reports when a peer vanished under it (its symptom, not the job's cause).
+_PEER_LOST = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|"
+                        r"remote process exited|communicator was aborted|ncclRemoteError",
+                        re.IGNORECASE)
+
+
 def _report_failure(failed, error_dir: str, log_dir: str) -> int:
-    """Print the first failure's one line and return its exit code."""
+    """Print the cause of the failure in one line and return its exit code.
+
+    The cause, in this order: the earliest report that is not a lost peer; else a rank that
+    ended without reporting (killed by a signal, or crashed past the CLI's error handling):
+    its peers' "connection closed" reports are what its death did to them; else the
+    earliest report."""
     reports = _read_reports(error_dir)
-    if reports:
+    own = [r for r in reports if not _PEER_LOST.search(r["message"])]
+    if own:
+        first = min(own, key=lambda r: r["time"])
+        _print_error(f"rank {first['rank']}: {first['message']}")
+        return _exit_code(first["exit_code"])
+    reported = {r["rank"] for r in reports}
+    silent = [(rank, f) for rank, f in failed.failures.items() if rank not in reported]
+    if not silent and reports:
         first = min(reports, key=lambda r: r["time"])
         _print_error(f"rank {first['rank']}: {first['message']}")
         return _exit_code(first["exit_code"])
-    # No rank reported: it crashed or was killed before reaching report_error.
-    rank, failure = failed.get_first_failure()
+    if not silent:
+        silent = [failed.get_first_failure()]
+    # The launcher ends the other ranks with SIGTERM once one failed: those are not the cause.
+    rank, failure = min(enumerate(silent), key=lambda i_f: (
+        i_f[1][1].exitcode == -signal.SIGTERM, i_f[1][1].timestamp, i_f[0]))[1]
+    _print_error(_ended(rank, failure, log_dir))
+    return _exit_code(failure.exitcode)
+
+
+def _ended(rank: int, failure, log_dir: str) -> str:
+    """How a rank that did not report ended: its signal or its exit code, and its last
+    stderr line where that says more."""
     if failure.exitcode < 0:
-        what = f"rank {rank} was killed by signal {failure.signal_name()}"
+        number = -failure.exitcode
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        why = "; the kernel's OOM killer sends it too" if number == signal.SIGKILL else ""
+        what = (f"rank {rank} was killed by signal {number} ({name}{why}); the other ranks "
+                "were stopped")
+        if number in (signal.SIGKILL, signal.SIGTERM):
+            return what  # it wrote nothing about it: an older stderr line would mislead
     else:
         what = f"rank {rank} exited with code {failure.exitcode}"
     last_line = _last_stderr_line(log_dir, failure.local_rank)
     if last_line:
         what += f"; its last stderr line: {last_line}"
-    elif failure.local_rank != 0:  # rank 0's stderr is already on the terminal
+    elif failure.local_rank != 0 and failure.exitcode >= 0:  # rank 0's is on the terminal
         what += " (MOEGRAPH_DEBUG=1 shows every rank's output)"
-    _print_error(what)
-    return _exit_code(failure.exitcode)
+    return what
 
 
 def _read_reports(error_dir: str) -> list[dict]:

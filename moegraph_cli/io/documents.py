@@ -4,7 +4,8 @@ calibrations) with one-line errors that name the file and, for YAML, the line.
 Every loader goes through `read_text` (missing, not a file, unreadable, not UTF-8) and then
 `parse_yaml` or `parse_json`. YAML mappings come back as `Mapping`, a dict that remembers the
 line of each key, so a loader can say `plan.yaml:12: field 'pools' ...` about a value that
-parsed but is wrong. JSON is YAML, so the planner's files may be either.
+parsed but is wrong. JSON is YAML, so the planner's files may be either. Both readers refuse
+a key written twice in one mapping, naming the key and its line.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import UsageError, one_line
+from ..errors import UsageError, one_line, show_path
 
 _SHOW_CHARS = 60
 
@@ -34,15 +35,34 @@ class _LineLoader(yaml.SafeLoader):
     pass
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode):
     data = Mapping()
     data.line = node.start_mark.line + 1
     yield data
+    written = [key_node for key_node, _ in node.value if key_node.tag != _MERGE_TAG]
     data.update(loader.construct_mapping(node))  # merges `<<` keys, refuses unhashable keys
+    _refuse_duplicates(loader, written)
     data.key_lines = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node)
         data.key_lines.setdefault(key, key_node.start_mark.line + 1)
+
+
+def _refuse_duplicates(loader: _LineLoader, key_nodes: list) -> None:
+    """A key written twice in one mapping is an error (YAML says keys are unique; PyYAML
+    would keep the last value silently, e.g. a second `run:` section dropping the first).
+    Keys a `<<` merge brings in may be overridden: that is what merging is for."""
+    first_line: dict = {}
+    for key_node in key_nodes:
+        key = loader.construct_object(key_node)
+        if key in first_line:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {show(key)} (first at line {first_line[key]})",
+                key_node.start_mark)
+        first_line[key] = key_node.start_mark.line + 1
 
 
 _LineLoader.add_constructor("tag:yaml.org,2002:map", _construct_mapping)
@@ -65,12 +85,12 @@ def read_text(path: str | Path, what: str | None, hint: str | None = None) -> st
     file, unreadable or not UTF-8 text. `what` names the kind of file ("plan", "profile";
     None: the path says it, e.g. config.json)."""
     path = Path(path)
-    label = f"{what} {path}" if what else str(path)
-    if not path.exists():
-        raise UsageError(f"{label}: no such file" + (f" ({hint})" if hint else ""))
-    if not path.is_file():
-        raise UsageError(f"{label}: not a regular file")
+    label = f"{what} {show_path(path)}" if what else show_path(path)
     try:
+        if not path.exists():
+            raise UsageError(f"{label}: no such file" + (f" ({hint})" if hint else ""))
+        if not path.is_file():
+            raise UsageError(f"{label}: not a regular file")
         raw = path.read_bytes()
     except OSError as e:
         raise UsageError(f"{label}: cannot be read ({e.strerror or type(e).__name__})"
@@ -108,10 +128,43 @@ def parse_yaml(text: str, where: str, syntax: str = "YAML", marks: bool = True):
         raise UsageError(f"{where}: not valid {syntax}: {one_line(str(e))}") from None
 
 
-def parse_json(text: str, where: str):
-    """The JSON document in `text`; `where` names it in errors."""
+class _DuplicateKey(ValueError):
+    def __init__(self, key):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_pairs(pairs: list) -> dict:
+    """json's object_pairs_hook: an object that names a key twice is refused."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _json_duplicate_line(text: str) -> str:
+    """Where the JSON text names a key twice: ` at line N` from the YAML reader's marks (JSON
+    is YAML's flow style), or nothing if that reader cannot place it."""
     try:
-        return json.loads(text)
+        yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        if e.problem and e.problem.startswith("duplicate key") and e.problem_mark:
+            return f" at line {e.problem_mark.line + 1}"
+    except Exception:  # noqa: BLE001 - only a hint is at stake
+        pass
+    return ""
+
+
+def parse_json(text: str, where: str):
+    """The JSON document in `text`; `where` names it in errors. A key twice in one object is
+    an error (json would keep the last value silently)."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except _DuplicateKey as e:
+        raise UsageError(f"{where}: invalid JSON (duplicate key {show(e.key)}"
+                         f"{_json_duplicate_line(text)})") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{where}: invalid JSON ({e.msg} at line {e.lineno}, column "
                          f"{e.colno})") from None

@@ -1,18 +1,19 @@
-"""Rendering: rich tables for people, JSON for machines (stdout), logs and errors on stderr."""
+"""Rendering: rich tables for people, JSON for machines (stdout), logs and errors on stderr.
+Everything for stdout goes through report/stdout.py, whose failures are one line."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 from rich.console import Console
 from rich.table import Table
 
 from ..errors import one_line
+from .stdout import stdout
 from .summary import fold_layers
 from ..units import fmt_bytes
 
-out = Console(highlight=False, soft_wrap=True)
+out = Console(file=stdout, highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -29,7 +30,8 @@ def log(message: str) -> None:
 
 
 def emit_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    stdout.flush()
 
 
 def _table(title: str, columns: list[str]) -> Table:
@@ -57,8 +59,9 @@ def inspect_result(s: dict, as_json: bool) -> None:
     t = _table(f"{s['name']} ({s['source']})", ["field", "value"])
     for k, v in a.items():
         t.add_row(k, str(v))
-    for k, v in s["run"].items():
-        t.add_row(f"run.{k}", str(v))
+    for section in ("run", "moe"):  # the names --set takes
+        for k, v in s.get(section, {}).items():
+            t.add_row(f"{section}.{k}", "-" if v is None else str(v))
     out.print(t)
     t = _table("parameters", ["part", "count"])
     for k, v in p.items():
@@ -69,11 +72,11 @@ def inspect_result(s: dict, as_json: bool) -> None:
     for k, v in m.items():
         t.add_row(k, fmt_bytes(v))
     out.print(t)
-    t = _table("layers (identical neighbours folded)", ["layers", "kind", "params per layer",
-                                                        "shapes"])
+    t = _table("layers (identical neighbours folded)", ["layers", "kind", "params per layer"])
+    t.add_column("shapes", justify="left", no_wrap=True)
     for g in s["layer_groups"]:
-        shapes = ", ".join(f"{k.split('.')[-2] if k.endswith('weight') else k.split('.')[-1]}"
-                           f"{v}" for k, v in g["shapes"].items())
+        # one shape a line, none wrapped: a shape never breaks inside its brackets
+        shapes = "\n".join(f"{_short_name(k)}{v}" for k, v in g["shapes"].items())
         t.add_row(_layer_span(g["first"], g["last"]), g["kind"], f"{g['params']:,}", shapes)
     out.print(t)
 
@@ -81,6 +84,11 @@ def inspect_result(s: dict, as_json: bool) -> None:
 def _recompute_cell(modes: dict | None) -> str:
     """A layer's recompute modes, e.g. "attn full, moe fc1"; "-" for none."""
     return ", ".join(f"{kind} {mode}" for kind, mode in (modes or {}).items()) or "-"
+
+
+def _short_name(key: str) -> str:
+    """`attn.q_proj.weight` -> q_proj, `moe.w_gate_up` -> w_gate_up."""
+    return key.split(".")[-2] if key.endswith("weight") else key.split(".")[-1]
 
 
 def _layer_span(first: int, last: int) -> str:
@@ -107,7 +115,7 @@ def plan_result(r: dict, as_json: bool) -> None:
     reconcile = "layers_bytes" in r and r["pool_bytes"] > 0
     if reconcile:
         t.add_row("sum of layers", "", "", "", fmt_bytes(r["layers_bytes"]))
-        t.add_row("- I/O buffers", "", "", "", fmt_bytes(-r["io_bytes"]))
+        t.add_row("- I/O buffers", "", "", "", fmt_bytes(r["io_bytes"]))  # the label has the sign
         t.add_row("+ working space", "", "", "", fmt_bytes(r["pool_working_bytes"]))
         t.add_row("= graph pools", "", "", "", fmt_bytes(r["pool_bytes"]))
     out.print(t)
@@ -279,8 +287,10 @@ def verify_result(r: dict, as_json: bool) -> None:
     for i, (a, b) in enumerate(zip(r["eager_losses"], r["graph_losses"])):
         t.add_row(str(i), f"{a:.9g}", f"{b:.9g}", "yes" if a == b else f"{abs(a - b):.3g}")
     out.print(t)
-    out.print(f"gradient max-abs difference: {r['grad_max_abs']:.3g} "
-              f"(largest in {r['grad_worst']})")
+    worst = r.get("grad_worst")
+    out.print(f"gradient max-abs difference: {r['grad_max_abs']:.3g}"
+              + (f" (largest in {worst})" if worst and worst != "-" else
+                 " (no gradient differs)" if r["grad_max_abs"] == 0 else ""), markup=False)
     ref = r.get("reference")
     if ref and ref.get("kind") == "single":
         t = _table(f"distributed ({r['world_size']} ranks) vs one process, same global batches",
@@ -320,6 +330,7 @@ class Progress:
     def __init__(self, enabled: bool, total: int, description: str, in_bytes: bool = False):
         """`in_bytes`: total and advances are bytes (shown as sizes and a rate), else counts."""
         self.enabled, self.total = enabled and err.is_terminal, total
+        self.description, self.done = description, 0  # kept when no bar is shown
         self._bar = None
         if self.enabled:
             from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, \
@@ -340,10 +351,12 @@ class Progress:
             self._bar.__exit__(*exc)
 
     def advance(self, description: str | None = None, amount: int = 1) -> None:
+        self.description, self.done = description or self.description, self.done + amount
         if self._bar is not None:
             self._bar.update(self._task, advance=amount,
                              **({"description": description} if description else {}))
 
     def describe(self, description: str) -> None:
+        self.description = description
         if self._bar is not None:
             self._bar.update(self._task, description=description)

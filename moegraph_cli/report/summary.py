@@ -142,8 +142,9 @@ def summarize(prof: Profile, source: str) -> dict:
             "sliding_window": cfg.sliding_window, "clip_qkv": cfg.clip_qkv,
             "qkv_bias": cfg.qkv_bias, "attention_bias": cfg.attention_bias, **mla,
         },
-        "run": {"batch": prof.run.batch, "seq_len": prof.run.seq_len, "dtype": prof.run.dtype,
-                "moe_mode": prof.moe.mode, "capacity_factor": prof.moe.capacity},
+        "run": {"batch": prof.run.batch, "seq_len": prof.run.seq_len, "dtype": prof.run.dtype},
+        # capacity_factor: None when dropless (mode capacity is what uses it)
+        "moe": {"mode": prof.moe.mode, "capacity_factor": prof.moe.capacity},
         "params": param_counts(cfg),
         "static_memory_bytes": static,
         "layers": layers,
