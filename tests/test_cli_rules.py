@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from cli_util import run_cli
 from moegraph_cli.config.fields import BOUNDS, MAX_INT, MAX_SEED
-from moegraph_cli.plan.memory import run_key
+from moegraph_cli.plan.runkey import run_key
 from moegraph_cli.report import render
 from moegraph_cli.train.runspec import resolve
 
