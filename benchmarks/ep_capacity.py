@@ -19,10 +19,10 @@ Routings:
   each at E = 8, k = 2 (the tiny model) and at E = 128, k = 8 (qwen3-30b-a3b).
 
 `redo`: what an overflowed step costs. Two gloo ranks (ep 2) train tiny-qwen3-moe in fp32 at
-2 x 32 tokens a rank (CPU wall time, median step): the bounded all-to-all without overflow
-(balanced router, factor 8), the same with every step overflowing and redone (a router that
+2 x 32 tokens a rank (CPU wall time, medians): the bounded all-to-all without overflow
+(seeded router, factor 8), the same with every step overflowing and redone (a router that
 adds +8 to experts 0-1 for most tokens, factor 1), and that skewed router through the
-all-gather alone (what the redo runs).
+all-gather alone (what the redo runs), one step of each in turn.
 """
 
 from __future__ import annotations
@@ -135,6 +135,8 @@ REDO_CASES = {"bounded": (False, ["moe.ep_dispatch=all_to_all", "moe.ep_capacity
 
 
 def _redo_rank(rank: int, world: int, port: int, steps: int, out_file: str) -> None:
+    """The three cases side by side, one step of each in turn (a loaded CPU's noise falls on
+    all three alike); per case the median step and the median forward + backward pass."""
     import os
     import statistics
     import time
@@ -151,24 +153,39 @@ def _redo_rank(rank: int, world: int, port: int, steps: int, out_file: str) -> N
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     plain = ffn.route
     rt = setup(world, 8, "cpu", 300)
-    result = {}
+    runs, step_ms, pass_ms = {}, {}, {}
     for name, (skew, opts) in REDO_CASES.items():
-        ffn.route = _skewed_route if skew else plain
         spec = resolve("tiny-qwen3-moe", None, ["run.device=cpu", "run.dtype=float32",
                                                 "run.seq_len=32", *opts])
         torch.manual_seed(0)
         model = build_model(spec, rt.device, rt=rt)
         trainer = make_trainer(model, 1e-4, 0.0, rt)
+        passes = pass_ms.setdefault(name, [])
+
+        def timed(ids, fb=trainer._forward_backward, passes=passes):
+            t0 = time.perf_counter()
+            loss = fb(ids)
+            passes.append((time.perf_counter() - t0) * 1e3)
+            return loss
+
+        trainer._forward_backward = timed
         it = batches(spec.profile.model.vocab_size, 2, 32, 0, "cpu", rank=rank, world=world)
-        trainer.step(next(it))
-        times = []
-        for _ in range(steps):
+        runs[name] = (skew, trainer, it)
+        step_ms[name] = []
+    for step in range(steps + 1):  # the first step of each is a warm-up
+        for name, (skew, trainer, it) in runs.items():
+            ffn.route = _skewed_route if skew else plain
             dist.barrier()
             t0 = time.perf_counter()
             trainer.step(next(it))
-            times.append((time.perf_counter() - t0) * 1e3)
-        result[name] = {"step_ms": statistics.median(times), **trainer.overflow.report()}
+            if step:
+                step_ms[name].append((time.perf_counter() - t0) * 1e3)
     ffn.route = plain
+    result = {name: {"step_ms": statistics.median(step_ms[name]),
+                     "pass_ms": statistics.median(pass_ms[name]),
+                     "passes_per_step": len(pass_ms[name]) / (steps + 1),
+                     **trainer.overflow.report()}
+              for name, (_, trainer, _) in runs.items()}
     if rank == 0:
         Path(out_file).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -189,7 +206,9 @@ def redo_cost(steps: int) -> dict:
         cases = json.loads(Path(out_file).read_text())
     plain = cases["bounded"]["step_ms"]
     return {"world": 2, "ep": 2, "tokens_per_rank": 64, "dtype": "float32", "steps": steps,
-            "cases": cases, "redo_over_plain": cases["bounded_overflow_redo"]["step_ms"] / plain}
+            "cases": cases, "redo_over_plain": cases["bounded_overflow_redo"]["step_ms"] / plain,
+            "redo_over_all_gather": cases["bounded_overflow_redo"]["step_ms"]
+            / cases["all_gather_skewed"]["step_ms"]}
 
 
 def main() -> None:
@@ -197,7 +216,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batches", type=int, default=4)
-    ap.add_argument("--redo-steps", type=int, default=5)
+    ap.add_argument("--redo-steps", type=int, default=8)
     args = ap.parse_args()
     redo = redo_cost(args.redo_steps)
     print(json.dumps(redo))

@@ -95,7 +95,7 @@ class MoeConfig:
     # all-to-all where it moves fewer bytes than the all-gather; ep_capacity_factor (>= 1)
     # sizes its rows per peer over a balanced share (the default is measured there).
     ep_dispatch: str = "auto"  # auto | all_gather | all_to_all
-    ep_capacity_factor: float = 1.25
+    ep_capacity_factor: float = 2.0
 
     def validate(self) -> "MoeConfig":
         if self.mode not in ("dropless", "capacity"):
