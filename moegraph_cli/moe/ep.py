@@ -44,11 +44,20 @@ for distinct top-k experts). A rank receives R = P*C ~ f * T * d rows: flat in P
   all-reduce), discards the gradients and redoes the step eagerly through the all-gather
   (`worst_case_dispatch()`; installed graphs are suspended, not re-captured), so losses and
   gradients stay dropless. A redo costs one more eager forward and backward: on CPU (gloo,
-  2 ranks, tiny-qwen3-moe at 2 x 32 tokens a rank, fp32) a step took {REDO} ms against
-  {PLAIN} ms without overflow ({RATIO}x).
-- Default f = {DEFAULT} (`moe.ep_capacity_factor`, at least 1), from the per-peer loads
-  measured in benchmarks/results/ep_capacity.json (rows a pair needs, max over pairs and
-  steps, over T * d / P): {MEASURED}
+  2 ranks, tiny-qwen3-moe at 2 x 32 tokens a rank, fp32; benchmarks/ep_capacity.py) a step
+  that overflowed took 5281 ms against 2515 ms without (2.1x: the second pass, 2499 ms,
+  plus one all-reduce and one host read). An overflowed step's peak memory is the
+  all-gather's (P*T rows): the bound saves memory on the steps that fit.
+- Default f = 2.0 (`moe.ep_capacity_factor`, at least 1), from the per-pair loads in
+  benchmarks/results/ep_capacity.json (rows a pair needs over T * d / P, max over pairs,
+  layers and batches, T = 4096): balanced routing needs 1.01-1.10 (E = 8) and up to 1.19
+  (E = 128, P = 64) from sampling noise alone; tiny-qwen3-moe's router (E = 8, k = 2) after
+  20 training steps needs 1.24 / 1.77 / 3.25 at P = 2 / 4 / 8 and overflows on 0 / 0 / 50% of
+  its 8 calls at f = 2.0 (at 1.25: 0 / 88 / 100%, at 1.5: 0 / 50 / 88%); zipf-skewed routers
+  need 1.5 to 8. 2.0 keeps redos (2.1x a step) rare up to the imbalance measured at P = 4,
+  with a margin over balanced noise, while a rank still receives about 2 * T * d <= 2 * T * k
+  rows whatever P; a better-balanced router may lower it (1.25 covered balanced routing at
+  T >= 1024 up to P = 16).
 - `auto` keeps the all-gather where C >= T (P small against k: it moves no more bytes and
   needs no packed send copy; ep_sizing.dispatch_kind).
 
