@@ -16,6 +16,7 @@ from ..train.harness import (attn_moe_phase, build_session, capture_into, device
                              dropped_routes, make_trainer, peaks, reset_peaks, set_memory_limit,
                              timed_steps)
 from ..distributed.context import place, ticker
+from ..distributed.overflow import overflow_report
 from .preflight import check_inputs
 from ..report.render import Progress
 from ..train.runspec import RunSpec, build_model, pick_device
@@ -51,6 +52,7 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         eager = timed_steps(trainer, it, steps, warmup, on_step=tick)
         eager.update(peaks())
         eager["dropped_routes"] = dropped_routes(model, reset=True)
+        eager.update(overflow_report(trainer))
         del eager["all_ms"]
         torch.cuda.empty_cache()
         reset_peaks()
@@ -85,6 +87,7 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
             graph = timed_steps(trainer, it, steps, 0, on_step=tick)
         graph.update(peaks())
         graph["dropped_routes"] = dropped_routes(model)
+        graph.update({k: v - eager[k] for k, v in overflow_report(trainer).items()})
         del graph["all_ms"]
         pools = session.pools() if session.captured else []
     stats = session.stats()
@@ -111,7 +114,7 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         "failure": failure, "fallback_reasons": reasons, "memory_limit": limit,
         "step_flops": flops, "tokens_per_rank": tokens,
         "dropped_routes": eager["dropped_routes"] + graph["dropped_routes"],
-        **device_info(),
+        **overflow_report(trainer), **device_info(),
     }
     if plan is not None:
         result["plan"] = {"file": plan_file, "predicted_peak": plan.predicted_peak,

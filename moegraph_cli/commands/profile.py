@@ -35,6 +35,7 @@ from ..train.harness import (attn_moe_phase, build_session, capture_into, device
 from ..report.nvml import NvmlSampler
 from ..plan.runkey import run_key
 from ..distributed.context import place, ticker
+from ..distributed.overflow import overflow_report
 from .preflight import check_inputs
 from ..report.render import Progress
 from ..train.runspec import RunSpec, build_model, pick_device
@@ -112,6 +113,7 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
             compare = attn_moe_phase(model, trainer, it, steps, warmup, run.grad_accum,
                                      graph["step_ms"])
         nv.mark("end")
+    overflow = overflow_report(trainer)
     session.uninstall()
     trainer.session = None
     model = trainer = session = None  # free the model before calibrating
@@ -137,7 +139,7 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
         "pools": pools, "pool_total_bytes": sum(p["bytes"] for p in pools),
         "counters": stats["totals"], "nvml": nv.summary(), "step_flops": flops,
         "out": out, "plot": plot, "calibration": calibrate, "compare": compare,
-        **device_info(),
+        **overflow, **device_info(),
     }
     if rt is not None:
         from ..distributed.context import merge_ranks

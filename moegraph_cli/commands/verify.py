@@ -24,6 +24,7 @@ import torch
 
 from ..config.fields import check_option
 from ..distributed.context import place, ticker
+from ..distributed.overflow import overflow_report
 from ..errors import MoegraphError, NotCapturableError, UsageError
 from ..train.harness import build_session, capture_into, device_info, make_trainer
 from .preflight import check_inputs
@@ -144,6 +145,7 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
                 tick()
                 tick()
             stats = session.stats()
+            overflow = overflow_report(graph_trainer)
         else:
             # Not enough memory for two models: graph run first, keep its last-step grads on
             # the host, then the eager run; losses are compared every step, grads at the last.
@@ -153,6 +155,7 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
             saved = {n: _local(p.grad).detach().to("cpu")
                      for n, p in graph_model.named_parameters()}
             stats = session.stats()
+            overflow = overflow_report(graph_trainer)
             # Drop every reference to the graphs and their pools so the eager model gets
             # their memory back.
             session.uninstall()
@@ -202,7 +205,7 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
               "bitwise_equal": bitwise, "grad_max_abs": grad_max, "grad_worst": grad_worst,
               "grads_compared": "every step" if side_by_side else "last step",
               "counters": stats["totals"], "reference": ref, "passed": passed,
-              "verdict": verdict, "graphs": backend_name, **device_info()}
+              "verdict": verdict, "graphs": backend_name, **overflow, **device_info()}
     if rt is None:
         return result
     del eager_model, eager_trainer

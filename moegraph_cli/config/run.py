@@ -3,6 +3,7 @@ dispatch mode and expert backend."""
 
 from __future__ import annotations
 
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -87,6 +88,11 @@ class MoeConfig:
     # Auxiliary-loss-free balancing (DeepSeek-V3's router bias): after each optimizer step
     # bias_e += rate * sign(mean load - load_e), on the device; 0: off.
     bias_update_rate: float = 0.0
+    # Expert parallel (moe/ep.py): how tokens reach their experts' ranks. auto: the bounded
+    # all-to-all where it moves fewer bytes than the all-gather; ep_capacity_factor (>= 1)
+    # sizes its rows per peer over a balanced share (the default is measured there).
+    ep_dispatch: str = "auto"  # auto | all_gather | all_to_all
+    ep_capacity_factor: float = 2.0
 
     def validate(self) -> "MoeConfig":
         if self.mode not in ("dropless", "capacity"):
@@ -97,6 +103,12 @@ class MoeConfig:
         if self.bias_update_rate < 0:
             raise invalid("bias_update_rate", f"moe.bias_update_rate must be >= 0, got "
                           f"{self.bias_update_rate}")
+        if not math.isfinite(self.ep_capacity_factor) or self.ep_capacity_factor < 1:
+            raise invalid("ep_capacity_factor", f"moe.ep_capacity_factor must be a finite "
+                          f"number >= 1, got {self.ep_capacity_factor}")
+        if self.ep_dispatch not in ("auto", "all_gather", "all_to_all"):
+            raise invalid("ep_dispatch", f"moe.ep_dispatch {show(self.ep_dispatch)} must be "
+                          "auto, all_gather or all_to_all")
         if self.backend not in ("auto", "reference", "permute_free"):
             raise invalid("backend", f"moe.backend {show(self.backend)} must be auto, reference "
                           "or permute_free")

@@ -1,8 +1,9 @@
 """The training step of one rank: its slice of the global batch, the loss scaled by 1/world
-(gradients are summed across ranks, see dist/model.py), AdamW on the local shards. Expert
-gradients reach their replicas through FSDP2's reduce-scatter when the experts are sharded
-(ep < world); only experts kept replicated (a torch without FSDP2's per-parameter mesh) are
-all-reduced here.
+(gradients are summed across ranks, see distributed/model.py), AdamW on the local shards.
+Expert gradients reach their replicas through FSDP2's reduce-scatter when the experts are
+sharded (ep < world); only experts kept replicated (a torch without FSDP2's per-parameter
+mesh) are all-reduced here. A step whose bounded EP dispatch overflowed on any rank is redone
+before the optimizer sees it (overflow.py).
 
 AdamW runs on plain tensors: the sharded (DTensor) parameters through aliases of their local
 shards, their gradients likewise. A fused AdamW over DTensors works too but pays DTensor's
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from ..train.trainer import GraphTrainer
 from ..train.trainer import allocate_grads
 from .model import expert_parameters, is_sharded
+from .overflow import OverflowGuard
 from .runtime import Runtime
 
 
@@ -67,20 +69,25 @@ class DistTrainer(GraphTrainer):
         self.optimizer = _Optimizers(model, lr, weight_decay)
         allocate_grads(model)
         self.session = None
-        # experts replicated over rt.dp_size > 1 ranks as plain tensors (dist/model.py)
+        # experts replicated over rt.dp_size > 1 ranks as plain tensors (distributed/model.py)
         replicated = rt.dp_size > 1
         self.experts = [p for p in expert_parameters(model) if replicated and not is_sharded(p)]
+        self.overflow = OverflowGuard(model)
+
+    def _forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=False)
+        out = self.model(input_ids, labels=input_ids, keep_logits=False)
+        (out.loss / self.rt.world).backward()
+        return out.loss.detach()
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.session is not None:
             self.session.new_step()
-        self.optimizer.zero_grad(set_to_none=False)
-        out = self.model(input_ids, labels=input_ids, keep_logits=False)
-        (out.loss / self.rt.world).backward()
+        loss = self.overflow.run(lambda: self._forward_backward(input_ids), self.session)
         if self.experts:
             reduce_expert_grads(self.experts, self.rt.dp_group)
         self.optimizer.step()
-        return out.loss.detach()
+        return loss
 
 
 def reduce_expert_grads(params: list[torch.nn.Parameter], group) -> None:

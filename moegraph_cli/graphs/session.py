@@ -24,6 +24,7 @@ that breaks later, at the call, stops the run with an error instead of deciding 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -199,6 +200,23 @@ class GraphSession:
         self.buffers.clear()
         self.installed = False
         self.captured = False
+
+    @contextlib.contextmanager
+    def suspended(self):
+        """Inside, the modules run their own forwards (eager, not counted as fallbacks); the
+        graphs, pools and static buffers stay as they are, nothing is re-captured, and the
+        next step replays again. For a step redone eagerly: the caller agrees on it across
+        ranks first (a graph holding collectives must be skipped on every rank or on none)."""
+        if not self.installed:
+            yield
+            return
+        for s in self.scopes:
+            del s.module.forward
+        try:
+            yield
+        finally:
+            for s in self.scopes:
+                s.module.forward = s
 
     # -- 4. per step and reports ----------------------------------------------------------
     def new_step(self) -> None:

@@ -176,6 +176,9 @@ def capture_result(r: dict, as_json: bool) -> None:
     row("peak allocated", lambda c: fmt_bytes(c.get("peak_allocated")))
     row("peak reserved", lambda c: fmt_bytes(c.get("peak_reserved")))
     row("MFU", lambda c: f"{c['mfu'] * 100:.1f}%" if c.get("mfu") is not None else "-")
+    if _ep_bounded(r):
+        row("EP overflow steps (redone)", lambda c: str(c.get("ep_overflow_steps", "-")))
+        row("EP rows over the bound", lambda c: str(c.get("ep_overflow_rows", "-")))
     out.print(t)
     c = r["counters"]
     out.print(f"captured {c['captured']}  replayed {c['replayed']}  fallback {c['fallback']}  "
@@ -207,6 +210,18 @@ def capture_result(r: dict, as_json: bool) -> None:
     if r.get("moe_mode") == "capacity" or r.get("dropped_routes"):
         out.print(f"dropped routes (capacity, all ranks): {r.get('dropped_routes', 0)}")
     ranks_table(r)
+
+
+def _ep_bounded(r: dict) -> bool:
+    """Expert parallel (or an overflow was counted): the bounded dispatch's rows are shown."""
+    return r.get("ep", 1) > 1 or bool(r.get("ep_overflow_steps"))
+
+
+def _ep_overflow_line(r: dict) -> None:
+    if _ep_bounded(r):
+        out.print(f"EP dispatch overflow: {r.get('ep_overflow_steps', 0)} steps redone through "
+                  f"the all-gather, {r.get('ep_overflow_rows', 0)} rows over the bound (all "
+                  "ranks)", markup=False)
 
 
 def ranks_table(r: dict) -> None:
@@ -255,6 +270,7 @@ def profile_result(r: dict, as_json: bool) -> None:
     t.add_row("peak reserved", fmt_bytes(r.get("eager_peak_reserved")),
               fmt_bytes(r.get("graph_peak_reserved")))
     out.print(t)
+    _ep_overflow_line(r)
     if r.get("pools"):
         out.print("graph pools: " + ", ".join(f"{p['name']} {fmt_bytes(p['bytes'])}"
                                               for p in r["pools"]), markup=False)
@@ -311,6 +327,7 @@ def verify_result(r: dict, as_json: bool) -> None:
     if c:
         out.print(f"graph side: captured {c['captured']}  replayed {c['replayed']}  "
                   f"fallback {c['fallback']}")
+    _ep_overflow_line(r)
     if r.get("ranks"):
         t = _table("per rank", ["rank", "losses bitwise equal", "grad max-abs", "fallback",
                                 "passed"])

@@ -14,7 +14,9 @@ extra output so the scope stays a pure tensors-in/tensors-out unit that can be g
 The experts run through `reference_experts` (pure torch, the CPU path) or
 `permute_free_experts` (Triton, sync-free, the CUDA path); both have one signature.
 With expert parallelism (`ep`) the scope holds only its EP rank's experts and the dispatch
-and combine collectives run inside it (moe/ep.py), so a captured moe graph contains them.
+and combine collectives run inside it (moe/ep.py), so a captured moe graph contains them; the
+rows the bounded all-to-all could not send are added to `ep_overflow_rows` on the device (the
+distributed trainer reads it after the backward and redoes such a step).
 Routes dropped by capacity are counted on the device in `dropped_routes` (no sync).
 """
 
@@ -28,6 +30,7 @@ from ... import grads
 from ...config import ModelConfig, MoeConfig
 from ...moe.activation import SWIGLU, ExpertAct
 from ...moe.ep import EpGroup, ep_moe
+from ...moe.ep_sizing import dispatch_kind
 from ...moe.reference import reference_experts
 from ...moe.routing import (aux_stats, expert_load_E, local_dispatch, route, route_grouped,
                             route_topk_softmax, update_correction_bias_)
@@ -96,6 +99,11 @@ class MoeScope(Scope):
             self.register_load_state_dict_post_hook(lambda module, _keys: module._fp32_bias())
         self.register_buffer("dropped_routes", torch.zeros(1, dtype=torch.int64),
                              persistent=False)
+        self.ep_dispatch, self.ep_capacity_factor = moe.ep_dispatch, moe.ep_capacity_factor
+        if ep is not None:
+            self.register_buffer("ep_overflow_rows", torch.zeros(1, dtype=torch.int64),
+                                 persistent=False)
+            self.ep_bounded: bool | None = None  # takes the all-to-all (set by the shapes)
 
     def _fp32_bias(self) -> None:
         """The router's bias and load count stay fp32 through `.to(dtype)` and loading."""
@@ -128,10 +136,17 @@ class MoeScope(Scope):
                 x_TH, grads.through(self.router.weight), self.top_k, self.norm_topk_prob)
         experts = experts_fn(self.backend, x_TH.device, self.recompute == "fc1")
         if self.ep is not None:
+            kind = dispatch_kind(self.ep.size, x_TH.shape[0], self.top_k, self.ep.num_experts,
+                                 self.ep_capacity_factor, self.ep_dispatch)
+            self.ep_bounded = kind == "all_to_all"
+            over = torch.zeros_like(self.ep_overflow_rows) if recomputing() \
+                else self.ep_overflow_rows
             y_TH, dropped = ep_moe(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up,
                                    self.w_down, self.capacity_factor, self.ep, experts,
                                    b_gate_up_local=self.b_gate_up, b_down_local=self.b_down,
-                                   act=self.act)
+                                   act=self.act, dispatch=kind,
+                                   ep_capacity_factor=self.ep_capacity_factor,
+                                   overflow_rows=over)
         else:
             dispatch = local_dispatch(topk_ids_TK, topk_weights_TK, self.w_gate_up.shape[0],
                                       self.capacity_factor)
