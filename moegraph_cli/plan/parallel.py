@@ -295,13 +295,23 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
     rows (dx_R [R, H], the weights' grads [R, k]), then the all_to_all back of dx_R into
     [R, H] with the same fp32 sum. The reference backend's route count is data dependent:
     bounded by R*min(k, E_l) (capacity: E_l*P*C). `saved` of the permute-free path is checked
-    against saved_tensors_hooks on two gloo ranks (tests/plan/test_parallel.py)."""
+    against saved_tensors_hooks on two gloo ranks (tests/plan/test_parallel.py).
+
+    The bounded all-to-all (moe/ep.py; chosen by moe/ep_sizing.dispatch_kind, the rule the
+    dispatch itself uses) receives R = P * C rows, C = peer_capacity(T, k, P, E, factor), flat
+    in P, instead of P * T: the same terms with that R, plus the packed send copy [R, H] of x
+    on the source (forward) and of dOut (backward)."""
+    from ..moe.ep_sizing import dispatch_kind, received_rows
+
     c, run, b = prof.model, prof.run, DTYPE_BYTES[prof.run.dtype]
     T, H, E, k, F = run.batch * run.seq_len, c.hidden_size, c.num_experts, \
         c.num_experts_per_tok, c.moe_intermediate_size
     P = parallel.ep
-    E_l, R = E // P, P * T
+    factor, requested = prof.moe.ep_capacity_factor, prof.moe.ep_dispatch
+    bounded = dispatch_kind(P, T, k, E, factor, requested) == "all_to_all"
+    E_l, R = E // P, received_rows(P, T, k, E, factor, requested)
     N, NR = T * k, R * k
+    send = b * R * H if bounded else 0  # the all-to-all's packed send copy
     capacity = None
     if prof.moe.capacity is not None:
         from ..moe.routing import expert_capacity  # imports torch: only for capacity mode
@@ -318,7 +328,7 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
     expert_bytes = b * E * 3 * F * H
     params = full - expert_bytes + expert_bytes // P  # router, post norm, E_l experts
     ids = 17 * NR  # ids_RK (int64), the owned mask (bool), local ids (int64)
-    combine = 2 * b * R * H + 12 * T * H  # partial / dx_R and its receive buffer, fp32 sum
+    combine = 2 * b * R * H + 12 * T * H + send  # partial / dx_R and its receive buffer, fp32 sum
     if backend == "reference":
         routes = NR if capacity is None else min(NR, E_l * P * capacity)
         routes = min(routes, R * min(k, E_l))

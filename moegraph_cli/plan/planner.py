@@ -169,8 +169,12 @@ def choose(model: StepModel, budget: int, scopes: list[str], strategies: list[st
     the recompute it needs costs."""
     base, steps = ladder(model, recompute)
     layers = model.prof.model.num_hidden_layers
-    attn_opts = range(layers + 1) if "attn" in scopes else [0]
-    ffn_opts = range(layers + 1) if "moe" in scopes else [0]
+    # every layer count up to 16 layers; beyond, every GRID-th (and all layers), so a 61-layer
+    # model's search stays a few hundred candidates
+    grid = max(1, -(-layers // 16))
+    counts = sorted(set(range(0, layers + 1, grid)) | {layers})
+    attn_opts = counts if "attn" in scopes else [0]
+    ffn_opts = counts if "moe" in scopes else [0]
     gain = [savings.of(ref) for ref in model.scopes]
     cands = []
     for a in attn_opts:

@@ -106,11 +106,20 @@ class StepModel:
     static_breakdown: dict = field(default_factory=dict)  # dense / experts, this rank
     # Per scope (parallel to `scopes`), its recompute mode: none | full | fc1; empty: none.
     recompute: tuple[str, ...] = ()
+    # Shared by the copies dataclasses.replace makes (the planner makes one per recompute
+    # choice): recomputed scope memories and eager-phase peaks already worked out.
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def memory(self, i: int) -> ScopeMemory:
         """Scope i's memory under its recompute mode."""
         m = self.kinds[self.scopes[i].kind]
-        return recomputed(m, self.recompute[i]) if self.recompute else m
+        mode = self.recompute[i] if self.recompute else "none"
+        if mode == "none":
+            return m
+        key = (id(m), mode)
+        if key not in self.memo:
+            self.memo[key] = recomputed(m, mode)
+        return self.memo[key]
 
     # -- the simulation ---------------------------------------------------------------
     def predict(self, captured: Sequence[bool], strategy: str) -> Prediction:
@@ -129,7 +138,13 @@ class StepModel:
         slack = MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT  # the default pool's
         eager = int(eager_dyn * frag) + io + runtime + self.eager_offset + slack
         graph_phase = static + pool_total + eager
-        eager_phase = self._eager_phase(self._eager_dynamic((False,) * len(self.scopes))[0])
+        key = ("eager phase", self.recompute, id(self.scopes), self.static["total"],
+               self.eager_offset, self.fragmentation, self.runtime,
+               tuple(id(m) for m in self.kinds.values()))
+        if key not in self.memo:
+            self.memo[key] = self._eager_phase(
+                self._eager_dynamic((False,) * len(self.scopes))[0])
+        eager_phase = self.memo[key]
         return Prediction(strategy=strategy, captured=captured,
                           peak=max(graph_phase, eager_phase),
                           graph_phase_peak=graph_phase, eager_phase_peak=eager_phase,
