@@ -11,7 +11,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from cli_util import run_cli
+from cli_util import one_line, run_cli
 from moegraph_cli.plan.runkey import run_key
 from moegraph_cli.train.runspec import resolve
 
@@ -20,17 +20,6 @@ TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_hea
         "model.intermediate_size=48", "run.dtype=float32"]
 TINY_SET = [a for kv in TINY for a in ("--set", kv)]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
-
-
-def one_line(code, out, err, expected_code, *needles):
-    assert code == expected_code, (code, out, err)
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("moegraph: error: "), lines[0]
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert "internal error" not in err and "Traceback" not in out + err
-    return lines[0]
 
 
 def write(path, content):

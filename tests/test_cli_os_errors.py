@@ -13,23 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_util import run_cli
+from cli_util import one_line, run_cli
 from moegraph_cli.io import outputs
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = "a" * 300  # one name over NAME_MAX (255 bytes)
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path before CUDA")
-
-
-def one_line(code, out, err, expected_code, *needles):
-    assert code == expected_code, (code, out, err)
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("moegraph: error: "), lines[0]
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert "internal error" not in err and "Traceback" not in out + err
-    return lines[0]
 
 
 def run_process(*args, stdout=subprocess.PIPE, env=None, shell_redirect=None):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cli_util import run_cli
+from cli_util import one_line, run_cli
 from moegraph_cli.config.fields import BOUNDS, MAX_INT, MAX_SEED
 from moegraph_cli.plan.runkey import run_key
 from moegraph_cli.report import render
@@ -27,17 +27,6 @@ TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_hea
 TINY_SET = [a for kv in TINY for a in ("--set", kv)]
 CPU = ["--set", "run.device=cpu", "--set", "run.seq_len=32"]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
-
-
-def one_line(code, out, err, expected_code, *needles):
-    assert code == expected_code, (code, out, err)
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("moegraph: error: "), lines[0]
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert "internal error" not in err and "Traceback" not in out + err
-    return lines[0]
 
 
 def _listing(path: Path) -> list:
