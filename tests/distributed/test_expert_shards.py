@@ -168,7 +168,7 @@ def _load_checkpoint(rank, world, ep, path):
 def test_checkpoint_fills_the_expert_shards(tmp_path, world, ep):
     """A checkpoint (seed 11, not the run's seed) read shard by shard: gathered whole, every
     parameter is bitwise the one-process load."""
-    from moegraph_cli.io.checkpoint import save_checkpoint
+    from moegraph_cli.io.checkpoint_save import save_checkpoint
     from moegraph_cli.models import MoeCausalLM
     from moegraph_cli.train.runspec import resolve
 
