@@ -144,7 +144,14 @@ class GraphSession:
         except Exception as e:  # noqa: BLE001 - any failure rolls the whole capture back
             where = f"{phase} of {scope.name} (layer {scope.layer})" if scope else phase
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            self.rollback(f"{type(e).__name__} during {where}: {first}"[:400])
+            reason = f"{type(e).__name__} during {where}: {first}"[:400]
+        else:
+            reason = None
+        if reason is not None:
+            # Outside the handler: the exception's frames (warm-up outputs, half-recorded
+            # static buffers) are gone before the release returns their memory.
+            scope = None
+            self.rollback(reason)
             return False
         self.captured = True
         self.failure = None
@@ -198,6 +205,7 @@ class GraphSession:
         for g in self.groups.values():
             g.release()
         self.buffers.clear()
+        self.sample_inputs, self.chain = None, []  # the recorded inputs: one [T, H] a scope
         self.installed = False
         self.captured = False
 

@@ -66,7 +66,11 @@ class StepGraph:
             self.backend.synchronize()
         except Exception as e:  # noqa: BLE001 - any failure rolls the capture back
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            self.rollback(f"{type(e).__name__} during {phase} of the whole step: {first}"[:400])
+            reason = f"{type(e).__name__} during {phase} of the whole step: {first}"[:400]
+        else:
+            reason = None
+        if reason is not None:  # outside the handler, so the exception's frames are gone
+            self.rollback(reason)
             return False
         self.counters.captured += 1
         self.captured = self.installed = True
@@ -110,6 +114,7 @@ class StepGraph:
         if self.graph is not None:
             self.graph.reset()
         self.graph, self.pool, self.static_outputs = None, None, ()
+        self.static_input = None
         self.captured = self.installed = False
 
     def graphs(self) -> list:

@@ -95,3 +95,32 @@ def test_forced_oom_rolls_back_and_training_continues():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_rolled_back_capture_holds_no_memory_afterwards():
+    """After a capture that ran out of memory, the allocator is where it was before it: the
+    recorded inputs, half-captured static buffers and every private pool are released."""
+    model = _tiny()
+    tr = GraphTrainer(model, lr=1e-4)
+    it = batches(32000, 2, 512, 0, "cuda")
+    for _ in range(2):
+        tr.step(next(it))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    reset_peaks()
+    tr.step(next(it))
+    need = peaks()["peak_reserved"]
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((need + 8 * 2**20) / total)
+    try:
+        session = GraphSession(scope_specs(model, ["attn", "moe"]), strategy="per_entry")
+        assert not capture_into(model, session, next(it)), "the cap is too loose"
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+        private = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0)]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert after - before <= 2**20, f"{(after - before) / 2**20:.1f} MiB still held"
+    assert not private, f"{len(private)} private-pool segments left"
