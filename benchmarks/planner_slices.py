@@ -60,6 +60,7 @@ def predict(case: dict) -> dict:
     return {"graph_peak": doc["graph_phase_peak"], "eager_peak": doc["eager_phase_peak"],
             "pool_bytes": doc["pool_bytes"], "static_bytes": doc["static_bytes"],
             "worst_moment": doc["worst_moment"], "memory_model": doc["memory_model"],
+            "pools": doc["pools"],
             "recomputed_scopes": sum(1 for la in doc["layers"]
                                      for v in (la.get("recompute") or {}).values()
                                      if v != "none")}
@@ -76,7 +77,11 @@ def measure(case: dict, args) -> dict:
             "eager_peak": run["eager"]["peak_reserved"], "pool_bytes": run["pool_total_bytes"],
             "fallbacks": run["counters"].get("fallback"),
             "step_ms_graph": run["graph"].get("step_ms"),
-            "step_ms_eager": run["eager"].get("step_ms")}
+            "step_ms_eager": run["eager"].get("step_ms"),
+            "eager_peak_allocated": run["eager"]["peak_allocated"],
+            "graph_peak_allocated": run["graph"]["peak_allocated"],
+            "pools": {p["name"]: {"reserved": p["bytes"], "allocated": p.get("allocated")}
+                      for p in run["pools"]}}
 
 
 class MemoryGate:

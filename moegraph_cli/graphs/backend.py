@@ -54,6 +54,11 @@ class CudaGraphs:
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def clear_library_workspaces(self) -> None:
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+
     @staticmethod
     def pool_id(graph) -> tuple:
         return tuple(graph.pool())
@@ -114,6 +119,9 @@ class EmulatedGraphs:
     def empty_cache(self) -> None:
         pass
 
+    def clear_library_workspaces(self) -> None:
+        pass
+
     @staticmethod
     def pool_id(graph) -> tuple:
         return graph.pool()
@@ -121,11 +129,15 @@ class EmulatedGraphs:
 
 def release(backend) -> None:
     """After a rollback: drop what Python still holds, wait for the device, return the freed
-    pool memory to the driver."""
+    pool memory to the driver. cuBLAS's per-stream workspaces go too: a capture stream's
+    first matmul allocates its workspace inside the graph's private pool, and torch keeps
+    that workspace (so the whole pool segment) for the life of the process; the next matmul
+    on a stream allocates a fresh one from the default pool."""
     import gc
 
     gc.collect()
     backend.synchronize()
+    backend.clear_library_workspaces()
     backend.empty_cache()
 
 
