@@ -15,15 +15,25 @@ figures do not depend on its neighbours): a case starts only while the predicted
 running cases, plus 1.5 GiB of CUDA context each, stay under --gpu-gib. A case whose prediction
 alone exceeds it is recorded as not run, with the reason.
 
+`--repredict FILE,...` (CPU is enough): no capture. The measured records of earlier runs of this
+script (a later file's record of a case replaces an earlier one's) get new predictions from the
+planner as it is now; each record keeps the run it was measured in (`measured_run`: GPU,
+versions, commit, date) and the document records the commit that predicted. Capture does not
+consult the planner (`--scopes` and `--pool` given), so a measurement stays valid while only the
+memory model changes.
+
 Writes planner_slices.json (--out; default $OUT/planner_slices.json, else benchmarks/results/).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from common import cli_json, default_out, environment, write_json
 
@@ -121,6 +131,26 @@ def run_case(case: dict, args, gate: MemoryGate, doc: dict, lock: threading.Lock
         write_json(args.out, doc)
 
 
+def repredict(files: list[str]) -> list[dict]:
+    cases: dict[tuple, dict] = {}
+    for f in files:
+        doc = json.loads(Path(f).read_text())
+        run = {k: doc.get(k) for k in ("gpu", "torch", "triton", "commit", "date")}
+        for r in doc["records"]:
+            if "errors" in r:
+                key = (r["profile"], r["load"], r["recompute"], r["pool"])
+                cases[key] = {**{k: r[k] for k in ("profile", "load", "recompute", "pool",
+                                                   "measured")}, "measured_run": run}
+    records = list(cases.values())
+    with ThreadPoolExecutor(2) as pool:
+        predicted = list(pool.map(predict, records))
+    for r, p in zip(records, predicted):
+        m = r["measured"]
+        r["predicted"] = p
+        r["errors"] = {k: p[k] / m[k] - 1 for k in ("graph_peak", "eager_peak", "pool_bytes")}
+    return records
+
+
 def summary(records: list[dict]) -> dict:
     errs = [r["errors"]["graph_peak"] for r in records if "errors" in r]
     return {"cases": len(records), "measured": len(errs),
@@ -141,17 +171,24 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--case-timeout", type=int, default=300)
+    ap.add_argument("--repredict", help="measured planner_slices files, comma list (no GPU)")
     ap.add_argument("--out", default=str(default_out("planner_slices.json")))
     args = ap.parse_args()
-    import torch
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/planner_slices.py needs a CUDA GPU")
-    records = cases(args)
-    records.sort(key=lambda r: r["load"] != "4x4096")  # the large ones first: better packing
-    doc = {"benchmark": "planner_slices", **environment(), "records": records}
-    gate, lock = MemoryGate(args.gpu_gib * GIB), threading.Lock()
-    with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda c: run_case(c, args, gate, doc, lock), records))
+    if args.repredict:
+        records = repredict(args.repredict.split(","))
+        doc = {"benchmark": "planner_slices", "mode": "repredict", **environment(device=False),
+               "measured_files": args.repredict.split(","), "records": records}
+    else:
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit("benchmarks/planner_slices.py needs a CUDA GPU")
+        records = cases(args)
+        records.sort(key=lambda r: r["load"] != "4x4096")  # the large ones first: packing
+        doc = {"benchmark": "planner_slices", **environment(), "records": records,
+               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+        gate, lock = MemoryGate(args.gpu_gib * GIB), threading.Lock()
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(lambda c: run_case(c, args, gate, doc, lock), records))
     doc["summary"] = summary(records)
     write_json(args.out, doc)
     for r in records:

@@ -144,8 +144,22 @@ def attn_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     # rms_norm's fp32 temporaries next to the projection output; fused: the q and k
     # projections beside their normalised copies
     fwd = 2 * b * T * wide if fused else (4 + b) * T * wide
-    bwd = (b * T * H + params + b * T * Q
-           + max(3 * b * T * Q + 4 * T * Q + 4 * T * nh, 12 * T * wide))
+    if sdpa_dim != D:
+        # The sink layout's SDPA backward (the memory-efficient kernel over S + 1 keys): the
+        # padded dq, dk, dv and their fp32 accumulators, beside dO (padded and not) and the
+        # unpadded copies its slicing hands back. Measured on the H200 (gpt-oss-20b-4layer,
+        # per-entry pools): 1.49 GiB on full-attention layers, 1.11 GiB on sliding ones;
+        # this is the former.
+        Qp = nh * sdpa_dim
+        sdpa = b * T * Qp + 3 * b * T * Qp + 12 * T * Qp
+        bwd = params + b * T * Q + max(sdpa, 12 * T * wide if not fused else 0)
+    elif fused:
+        # SDPA's backward: dO [T, Q] in, dq / dk / dv (GQA-expanded) and flash's fp32 dq
+        # accumulator out; the input gradient [T, H] comes later, once they are gone.
+        bwd = params + b * T * Q + 3 * b * T * Q + 4 * T * Q + 4 * T * nh
+    else:  # torch rms_norm's fp32 backward temporaries dominate
+        bwd = (b * T * H + params + b * T * Q
+               + max(3 * b * T * Q + 4 * T * Q + 4 * T * nh, 12 * T * wide))
     return ScopeMemory("attn", saved, b * T * H, b * T * H, fwd, bwd, params,
                        saves_input=fused or b == 4)
 
@@ -169,9 +183,18 @@ def mla_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     saved += 4 * b * T * Q + 4 * T * nh + b * T * V
     params = param_bytes(prof, 0, "attn.")
     wide = max(H, Q, nh * (c.qk_nope_head_dim + c.v_head_dim))
-    fwd = (2 * b if fused else 4 + b) * T * wide + 2 * b * T * Q  # norm temporaries; q/k
-    bwd = (b * T * H + params + b * T * Q
-           + max(3 * b * T * Q + 4 * T * Q + 4 * T * nh, 12 * T * wide))
+    kv_b = b * T * nh * (c.qk_nope_head_dim + c.v_head_dim)  # the kv_b projection's output
+    if fused:
+        # forward: q and k zero-padded to Dp beside kv_b's output (the fused norms' own
+        # temporaries come first, before anything is saved); backward: SDPA's dO, dq / dk / dv
+        # and fp32 dq accumulator, then the slices' copies (dv unpadded) and kv_b's input grad.
+        fwd = 2 * b * T * Q + kv_b
+        bwd = (params + b * T * Q + 3 * b * T * Q + 4 * T * Q + 4 * T * nh + kv_b
+               + b * T * nh * c.v_head_dim)
+    else:
+        fwd = (4 + b) * T * wide + 2 * b * T * Q  # torch rms_norm's fp32 temporaries; q/k
+        bwd = (b * T * H + params + b * T * Q
+               + max(3 * b * T * Q + 4 * T * Q + 4 * T * nh, 12 * T * wide))
     return ScopeMemory("attn", saved, b * T * H, b * T * H, fwd, bwd, params,
                        saves_input=fused or b == 4)
 
@@ -215,11 +238,23 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         saved += b * S * 2 * F  # Y1, the only F-scale tensor kept
         fc1_saved, fc1_transient = b * S * 2 * F, b * S * F
         saved += 8 * (S + 1) + 4 * (S // block) + 4 * N + 8 * E + 8  # the RouteList
-        fwd = max((2 * b if fused else 4 + b) * T * H, b * S * F + b * S * H) \
-            + b * T * H  # act + Y2; combine out
+        tok, act, y2 = b * T * H, b * S * F, b * S * H
+        # FC2 writes Y2 beside the activation; the activation is freed before the combine's
+        # output [T, H] is allocated, which takes its block where it fits.
+        routed = max((2 * b if fused else 4 + b) * T * H, y2 + max(act, tok))
         dp_part = 4 * S * max(1, F // 128)
-        bwd = (b * T * H + params + b * S * 2 * F  # dx, all grads, dY1
-               + max(b * S * F + dp_part, b * S * H) + b * T * H + 4 * T * E)
+        # dY1 throughout; beside it first the activation (FC2's dW) and dp's partials, then
+        # the slots' dX with its combine and the router's and the residual's [T, H] grads.
+        bwd = params + b * S * 2 * F + max(act + dp_part, y2 + 3 * tok) + 4 * T * E
+        shared_saved, _, shared_bwd = shared_expert_memory(prof)
+        # The shared expert runs after the routed ones: its tensors are allocated when the
+        # routed transients are gone; at its sum three [T, H] are live beside everything saved
+        # (the routed output, the scaled or unsaved shared output, the sum).
+        peak = max(saved + routed, saved + shared_saved + (3 * tok if shared_saved else tok))
+        return ScopeMemory("moe", saved + shared_saved, tok + 8 * E, tok,
+                           peak - saved - shared_saved - tok, bwd + shared_bwd, params,
+                           saves_input=fused or b == 4, fc1_saved=fc1_saved,
+                           fc1_transient=fc1_transient)
     shared = shared_expert_memory(prof)
     return ScopeMemory("moe", saved + shared[0], b * T * H + 8 * E, b * T * H, fwd + shared[1],
                        bwd + shared[2], params, saves_input=fused or b == 4,
@@ -250,8 +285,14 @@ def mlp_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
     saved = rms_saved(T, H, b, True, fused) + b * T * H + 4 * b * T * inter  # g, silu(g), u, g*u
     dense = [i for i in range(c.num_hidden_layers) if not c.is_moe_layer(i)]
     params = param_bytes(prof, dense[0], "mlp.") if dense else 0
-    fwd = (2 * b if fused else 4 + b) * T * H + b * T * inter
-    bwd = b * T * H + params + 3 * b * T * inter + 12 * T * H
+    if fused:
+        # gate/up, silu and the product are all saved and the down projection writes the
+        # output: nothing short-lived beyond the norm's, which comes before any of them.
+        # Backward: d(product) [T, I] and d(gate/up) [T, 2I].
+        fwd, bwd = 0, params + 3 * b * T * inter
+    else:
+        fwd = (4 + b) * T * H + b * T * inter
+        bwd = b * T * H + params + 3 * b * T * inter + 12 * T * H
     return ScopeMemory("mlp", saved, b * T * H, b * T * H, fwd, bwd, params,
                        saves_input=fused or b == 4)
 
