@@ -1,6 +1,7 @@
 """The `moegraph` command line: parse arguments, call one library function, render.
 
-Exit codes: 0 ok, 1 error, 2 usage, 3 parity failure, 4 no CUDA / not capturable.
+Exit codes: 0 ok, 1 error, 2 usage, 3 parity failure, 4 no CUDA / not capturable; 128 + N
+for a command ended by signal N (Ctrl-C, SIGTERM, SIGHUP).
 Errors print one line on stderr, the argument parser's too; MOEGRAPH_DEBUG=1 shows the
 traceback instead. Nothing here imports torch: commands import what they need when they run,
 so `inspect` and `plan` start without it.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 from typing import Annotated
 
@@ -25,7 +27,9 @@ from .report import render
 from .report.stdout import check_stdout, stdout
 from .commands import cli_run, cli_setup
 from .commands.cli_options import fail
+from .commands.cli_signals import signals_interrupt
 from .errors import EXIT_ERROR, EXIT_USAGE, MoegraphError, os_error
+from .io.outputs import removed_on_interrupt
 
 try:  # typer >= 0.20 carries its own copy of click
     from typer._click.exceptions import ClickException, UsageError as ClickUsageError
@@ -100,16 +104,26 @@ def command(fn):
 
     An OSError no check caught first (a path too long, a read-only file system, a full disk)
     is one line naming its path (errors.os_error); stdout closed, full or a broken pipe is
-    one line too (report/stdout.py), and a closed stdout is refused before any work."""
+    one line too (report/stdout.py), and a closed stdout is refused before any work. Ctrl-C,
+    SIGTERM and SIGHUP (commands/cli_signals.py) are one line and 128 + the signal's number,
+    once the command's cleanup has run: an interrupted command leaves none of the output files
+    it created (io/outputs.py `removed_on_interrupt`)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            check_stdout()
-            result = fn(*args, **kwargs)
-            stdout.flush()  # a full stdout fails here, not at exit
+            with signals_interrupt(), removed_on_interrupt():
+                check_stdout()
+                result = fn(*args, **kwargs)
+                stdout.flush()  # a full stdout fails here, not at exit
             return result
         except (typer.Exit, typer.Abort, SystemExit):
             raise
+        except KeyboardInterrupt as e:  # Ctrl-C, or errors.Interrupted
+            if os.environ.get("MOEGRAPH_DEBUG") == "1":
+                raise
+            signum = getattr(e, "signum", signal.SIGINT)
+            fail(f"interrupted by {signal.Signals(signum).name}", 128 + signum)
+            raise typer.Exit(128 + signum) from None
         except MoegraphError as e:
             if os.environ.get("MOEGRAPH_DEBUG") == "1":
                 raise

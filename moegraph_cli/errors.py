@@ -6,9 +6,14 @@ MOEGRAPH_DEBUG=1 shows a traceback. An operating system's error that no check ca
 (`os_error`) is one line too, naming its path: usage (2) where the path is at fault (too long,
 missing, not writable, on a read-only file system), else a runtime error (1: a full disk, an
 I/O error).
+
+A termination signal (SIGINT, SIGTERM, SIGHUP) while a command runs is an `Interrupted`
+(commands/cli_signals.py): the command's cleanup runs, then the CLI prints one line and exits
+128 + the signal's number, the shell's convention (130 for Ctrl-C).
 """
 
 import errno
+import signal
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -32,6 +37,20 @@ class MoegraphError(Exception):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+
+
+class Interrupted(KeyboardInterrupt):
+    """A termination signal raised in the main thread as an exception, so that every cleanup
+    Ctrl-C takes (`finally`, `except BaseException`, `except KeyboardInterrupt`) runs for
+    SIGTERM and SIGHUP too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 class UsageError(MoegraphError):

@@ -155,6 +155,36 @@ def test_a_model_the_checkpoint_cannot_fill_is_refused(checkpoints):
         load_local_(past_the_end, path, cfg, expert_range=(6, 10))
 
 
+@pytest.mark.parametrize("layout", ["single", "fused"])
+def test_a_non_finite_weight_is_found_by_the_rank_that_reads_it(checkpoints, tmp_path, layout):
+    """Expert 3 of layer 0 holds a NaN: a rank holding experts 2..3 names it (per expert or
+    fused, by its HF name and its place on disk); one holding 0..1 never reads it and loads;
+    without check_finite the NaN loads as it is."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    cfg, path = tiny_cfg(), tmp_path / layout
+    shutil.copytree(checkpoints[layout], path)
+    tensors = load_file(path / SINGLE_FILE)
+    if layout == "single":
+        name, index, what = "model.layers.0.mlp.experts.3.up_proj.weight", (5, 1), "[5, 1]"
+    else:  # [E, 2F, H]: expert 3, the up row 12 + 5
+        name, index, what = "model.layers.0.mlp.experts.gate_up_proj", (3, 17, 1), "[3, 17, 1]"
+    tensors[name][index] = float("nan")
+    save_file(tensors, path / SINGLE_FILE, metadata={"format": "pt"})
+
+    load_local_(meta_model(cfg, (0, 2)).to_empty(device="cpu"), path, cfg, (0, 2),
+                check_finite=True)
+    holder = meta_model(cfg, (2, 4)).to_empty(device="cpu")
+    with pytest.raises(CheckpointError) as e:
+        load_local_(holder, path, cfg, (2, 4), check_finite=True)
+    assert str(e.value) == (f"checkpoint: tensor {name} in {SINGLE_FILE} is not finite (nan "
+                            f"at {what})")
+    load_local_(holder, path, cfg, (2, 4))
+    assert torch.isnan(holder.layers[0].moe.w_gate_up[1, 12 + 5, 1])
+
+
 def _fsdp_load_equals_full_load(rank: int, world: int, paths: list[str]) -> None:
     """Every rank: FSDP2 dense shards plus its expert range, loaded from each checkpoint,
     gathered whole and compared with the full load; dense tensors read as this rank's rows."""

@@ -93,7 +93,7 @@ def test_a_directory_that_takes_no_files_is_refused_up_front(tmp_path, monkeypat
     def refuse(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(outputs.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(outputs, "_new_file", refuse)  # the writers create every file with it
     one_line(*run_cli("plan", "--budget", "4GiB", "--out", tmp_path / "p.yaml"), 2,
              f"--out {tmp_path / 'p.yaml'}: cannot create files in {tmp_path} ({reason})")
     one_line(*run_cli("init", "tiny-qwen3-moe", tmp_path / "ck"), 2,

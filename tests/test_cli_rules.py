@@ -1,6 +1,7 @@
 """One rule per input, stated once: a key written twice in a YAML or JSON file is an error naming
-it and its line; each number has one bound (config/fields.py BOUNDS) at every entry point;
-non-finite weights are refused by `verify` before it compares; and the small things the tables
+it and its line (a checkpoint's shard index and safetensors headers too); each number has one
+bound (config/fields.py BOUNDS) at every entry point; non-finite weights are refused as they
+load (and, seeded, by `verify` before it compares); and the small things the tables
 print (shapes that never wrap, `moe.mode`, the I/O line's sign). Each error case asserts the
 exit code, that stderr is one line, and that nothing was left behind."""
 
@@ -108,6 +109,49 @@ def test_a_config_json_key_twice(ckpt):
              f"'hidden_size' at line {at + 2})")
 
 
+@pytest.mark.parametrize("where", ["weight_map", "top level"])
+def test_a_shard_index_key_twice(tmp_path, where):
+    from moegraph_cli.io.hf_names import INDEX_FILE
+
+    d = tmp_path / "ck"
+    code, _, err = run_cli("init", "tiny-qwen3-moe", d, *TINY_SET, "--max-shard-size", "20KB",
+                           "--json")
+    assert code == 0, err
+    path = d / INDEX_FILE
+    lines = path.read_text().splitlines()
+    if where == "weight_map":  # the same tensor in two files: which one would load?
+        at = next(i for i, line in enumerate(lines) if '"model.norm.weight"' in line)
+        lines.insert(at, '    "model.norm.weight": "model-00001-of-00002.safetensors",')
+        key, second = "model.norm.weight", at + 2  # the line the key moved to, 1-based
+    else:
+        at = next(i for i, line in enumerate(lines) if '"weight_map"' in line)
+        lines.insert(at, '  "metadata": {"total_size": 1},')
+        key, second = "metadata", at + 1  # the inserted line, after the first metadata
+    path.write_text("\n".join(lines) + "\n")
+    before = _listing(tmp_path)
+    one_line(*run_cli("inspect", d), 1, f"checkpoint: {INDEX_FILE} is not valid JSON "
+             f"(duplicate key '{key}' at line {second})")
+    assert _listing(tmp_path) == before
+
+
+def test_a_safetensors_header_tensor_twice(ckpt):
+    """Two entries for one name: safetensors' reader would keep one silently."""
+    import struct
+
+    path = ckpt / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    entry = json.dumps({"model.norm.weight": header["model.norm.weight"]},
+                       separators=(",", ":"))
+    text = raw[8:8 + n].decode().rstrip()
+    doubled = (entry[:-1] + "," + text[1:]).encode()
+    path.write_bytes(struct.pack("<Q", len(doubled)) + doubled + raw[8 + n:])
+    for cmd in (["inspect", ckpt], ["verify", "-c", ckpt, *CPU, "--steps", "1"]):
+        one_line(*run_cli(*cmd), 1, "checkpoint: model.safetensors has a corrupt header: key "
+                 "model.norm.weight appears twice")
+
+
 def test_the_shipped_profiles_have_no_key_twice():
     from moegraph_cli.config import load_profile, profile_names
 
@@ -177,20 +221,69 @@ def test_the_help_states_the_bounds():
 
 
 # -- 4. non-finite weights ------------------------------------------------------------------
-@pytest.mark.parametrize("tensor, index, value, name, what", [
-    ("model.layers.1.mlp.experts.3.up_proj.weight", (2, 5), float("nan"),
-     "layers.1.moe.w_gate_up", "nan at [3, 18, 5]"),
-    ("model.norm.weight", (7,), float("-inf"), "norm.weight", "-inf at [7]"),
-])
-def test_verify_names_a_non_finite_weight(ckpt, tensor, index, value, name, what):
-    path = ckpt / "model.safetensors"
-    tensors = load_file(path)
+def _poison(file: Path, tensor: str, index, value) -> None:
+    tensors = load_file(file)
     tensors[tensor][index] = value
-    save_file(tensors, path, metadata={"format": "pt"})
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("tensor, index, value, what", [
+    ("model.layers.1.mlp.experts.3.up_proj.weight", (2, 5), float("nan"), "nan at [2, 5]"),
+    ("model.norm.weight", (7,), float("-inf"), "-inf at [7]"),
+])
+def test_a_non_finite_weight_is_named_as_it_loads(ckpt, tensor, index, value, what):
+    """Found by the load, before verify compares anything: the HF name, its file and the
+    place on disk (the up_proj rows land in w_gate_up[3, 16 + 2, 5] after loading)."""
+    _poison(ckpt / "model.safetensors", tensor, index, value)
     before = _listing(ckpt.parent)
     one_line(*run_cli("verify", "-c", ckpt, *CPU, "--steps", "1"), 1,
-             f"verify: weight {name} of checkpoint {ckpt} is not finite ({what})")
+             f"checkpoint: tensor {tensor} in model.safetensors is not finite ({what})")
     assert _listing(ckpt.parent) == before
+
+
+def test_every_command_loads_through_the_check(tmp_path):
+    """capture and profile need CUDA (exit 4 before loading on this machine); they build their
+    model where verify does, runspec.build_model, which refuses the weights here. A sharded
+    checkpoint's message names the shard."""
+    from moegraph_cli.errors import CheckpointError
+    from moegraph_cli.io.hf_names import INDEX_FILE
+    from moegraph_cli.train.runspec import build_model
+
+    d = tmp_path / "ck"
+    code, _, err = run_cli("init", "tiny-qwen3-moe", d, *TINY_SET, "--max-shard-size", "20KB",
+                           "--json")
+    assert code == 0, err
+    tensor = "model.layers.1.self_attn.k_proj.weight"
+    shard = json.loads((d / INDEX_FILE).read_text())["weight_map"][tensor]
+    _poison(d / shard, tensor, (1, 4), float("inf"))
+    spec = resolve(None, str(d), [])
+    with pytest.raises(CheckpointError) as e:
+        build_model(spec, torch.device("cpu"))
+    assert str(e.value) == f"checkpoint: tensor {tensor} in {shard} is not finite (inf at [1, 4])"
+    assert e.value.exit_code == 1
+
+
+def test_a_weight_that_overflows_the_load_dtype(ckpt):
+    from moegraph_cli.errors import CheckpointError
+    from moegraph_cli.io.checkpoint import load_state_dict
+
+    _poison(ckpt / "model.safetensors", "model.norm.weight", (3,), 1e5)  # float16 tops at 65504
+    cfg = resolve(None, str(ckpt), []).profile.model
+    assert load_state_dict(ckpt, cfg, check_finite=True)["norm.weight"][3] == 1e5
+    with pytest.raises(CheckpointError) as e:
+        load_state_dict(ckpt, cfg, dtype=torch.float16, check_finite=True)
+    assert str(e.value) == ("checkpoint: tensor model.norm.weight in model.safetensors is not "
+                            "finite once cast to float16 (inf at [3])")
+    assert torch.isinf(load_state_dict(ckpt, cfg, dtype=torch.float16)["norm.weight"][3])
+
+
+def test_verify_names_a_non_finite_seeded_weight():
+    """Weights not from a checkpoint are checked by verify itself (an initializer_range so
+    large that N(0, std) overflows float32)."""
+    one_line(*run_cli("verify", *TINY_SET, *CPU, "--set", "model.initializer_range=1e39",
+                      "--steps", "1"), 1,
+             "verify: weight embed_tokens.weight of profile tiny-qwen3-moe is not finite (inf "
+             "at [0, 0])")
 
 
 def test_first_non_finite():
@@ -201,6 +294,12 @@ def test_first_non_finite():
     bad = {**good, "b": torch.tensor([[1.0, 2.0], [float("inf"), float("nan")]]),
            "c": torch.tensor([float("nan")])}
     assert first_non_finite(bad.items()) == ("b", "inf at [1, 0]")
+    huge = {"f64": torch.full((3,), 1e300, dtype=torch.float64),  # beyond float32: finite
+            "f32": torch.full((5,), torch.finfo(torch.float32).max),  # a sum would overflow
+            "bf16": torch.tensor([0.0, -3e38], dtype=torch.bfloat16)}
+    assert first_non_finite(huge.items()) is None
+    huge["f16"] = torch.tensor([1.0, float("-inf"), 2.0], dtype=torch.float16)
+    assert first_non_finite(huge.items()) == ("f16", "-inf at [1]")
 
 
 # -- 7. what the tables print ----------------------------------------------------------------

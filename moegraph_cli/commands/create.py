@@ -7,8 +7,16 @@ model. The values are those of `MoeCausalLM.from_config` with the same seed, bit
 
 Before writing: the output directory is checked (not a file, its parent exists or --mkdir, empty
 or --force) and so is the free space of its file system. On any failure, running out of host
-memory and Ctrl-C included, the files this run wrote, and the directories it created, are
-removed.
+memory, Ctrl-C, SIGTERM and SIGHUP included (commands/cli_signals.py), the files this run
+wrote, and the directories it created, are removed. The result lists and counts only the files
+this run wrote, not what else a --force directory holds.
+
+A directory that holds nothing but the hidden temporary files of unfinished writes
+(`.model.safetensors.XXXXXXXX.tmp`, left by a process killed with kill -9 or by the OOM
+killer) is refused with a message naming them, not "not empty" about a directory `ls` shows
+empty. They are not removed unasked: moegraph cannot tell a dead writer's file from that of an
+`init` still running into the same directory. With --force the write goes ahead, and
+checkpoint_save.py `write_checkpoint` removes the leftovers of checkpoint files at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from ..io.hf_names import hf_to_moegraph_names, to_hf_layout
 from ..config import ModelConfig
 from ..config.fields import check_option
 from ..errors import MoegraphError, UsageError
-from ..io.outputs import check_output_dir
+from ..io.outputs import check_output_dir, leftover_temporaries
 from ..units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -87,8 +95,8 @@ def create_checkpoint(spec: "RunSpec", out_dir: str | Path, seed: int | None = N
     check_option("--seed", seed)  # the rule of run.seed
     out = Path(out_dir)
     check_output_dir(out, "init:", mkdir)
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UsageError(f"init: {out} exists and is not empty (use --force to overwrite)")
+    if out.is_dir() and not force:
+        _check_empty(out)
     prof = spec.profile
     cfg = prof.model.validate()
     seed = prof.run.seed if seed is None else seed
@@ -124,10 +132,23 @@ def create_checkpoint(spec: "RunSpec", out_dir: str | Path, seed: int | None = N
                 raise MoegraphError(f"init: writing {out} failed: "
                                     f"{e.strerror or type(e).__name__}; {removed}") from None
             raise
-    files = sorted(p.name for p in out.iterdir())
     return {"dir": str(out), "profile": prof.name, "dtype": prof.run.dtype, "seed": seed,
             "params": sum(math.prod(shape) for shape in layout.shapes.values()),
-            "bytes": sum(p.stat().st_size for p in out.iterdir()), "files": files}
+            "bytes": sum(p.stat().st_size for p in written),
+            "files": sorted(p.name for p in written)}
+
+
+def _check_empty(out: Path) -> None:
+    entries = list(out.iterdir())
+    if not entries:
+        return
+    leftovers = leftover_temporaries(out)
+    if len(leftovers) == len(entries):
+        more = f" and {len(leftovers) - 1} more" if len(leftovers) > 1 else ""
+        raise UsageError(f"init: {out} holds only {leftovers[0].name}{more}, hidden temporary "
+                         "files of writes that did not finish (a killed moegraph's, or one "
+                         "still running); remove them, or use --force to write over them")
+    raise UsageError(f"init: {out} exists and is not empty (use --force to overwrite)")
 
 
 def _remove(written: list[Path], created: list[Path]) -> None:

@@ -57,8 +57,10 @@ def _grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> tuple[float, str]:
 
 def _refuse_non_finite(spec: RunSpec, model: torch.nn.Module, rt) -> None:
     """A NaN or an infinity among the weights makes both runs' losses NaN: that is no parity
-    failure but bad weights, named before anything is compared (exit 1). Distributed: every
-    rank scans its shards and all agree, naming the first rank's find."""
+    failure but bad weights, named before anything is compared (exit 1). A checkpoint's were
+    checked as they loaded (runspec.build_model); this catches seeded ones (a huge
+    initializer_range). Distributed: every rank scans its shards and all agree, naming the
+    first rank's find."""
     from itertools import chain
 
     from ..models.common.finite import first_non_finite

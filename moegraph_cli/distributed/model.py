@@ -189,7 +189,7 @@ def build_sharded_model(spec: RunSpec, rt: Runtime, seed: int | None = None) -> 
         buf.zero_()  # the drop counters: to_empty leaves them uninitialised
     with _expert_shards_as_stacks(model, rt) as expert_range:
         if spec.checkpoint is not None:
-            load_local_(model, spec.checkpoint, cfg, expert_range)
+            load_local_(model, spec.checkpoint, cfg, expert_range, check_finite=True)
         else:
             seeded_init_(model, prof.run.seed if seed is None else seed, cfg.initializer_range,
                          expert_range)

@@ -11,7 +11,8 @@ Loading is two steps. `plan_load` reads only the safetensors headers (safetensor
 and checks everything a large read could trip on: names, shapes, dtypes, offsets, file sizes
 and the shard index. `load_state_dict` then reads each file once, in offset order, through
 `safetensors.safe_open`. Every problem is a one-line `CheckpointError` naming the tensor and
-the file.
+the file. The commands load with `check_finite`: a NaN or an infinity among the values read is
+such an error too (`refuse_non_finite`: one scan, one host sync, after the read).
 
 A checkpoint holds one floating dtype (F32, BF16 or F16) throughout, as HF writes them. A
 slot with a `layout` (keys.py) is transposed / de-interleaved on load. Tensors quantised to
@@ -32,7 +33,8 @@ from typing import TYPE_CHECKING, Mapping
 from safetensors import SafetensorError, safe_open  # the Rust reader alone: no torch import
 
 from ..config import ModelConfig
-from ..errors import EXIT_USAGE, CheckpointError
+from ..errors import EXIT_USAGE, CheckpointError, one_line
+from .documents import DuplicateKey, duplicate_line, show, unique_pairs
 from ..models.common.shapes import param_shapes
 from .hf_names import (INDEX_FILE, SINGLE_FILE, and_more, config_summary, hf_to_moegraph_names,
                        to_moegraph_layout)
@@ -110,12 +112,22 @@ def _find_layout(path: Path) -> tuple[Path, str | None]:
 def _read_index(root: Path) -> dict[str, str]:
     """weight_map of the shard index: tensor -> file, each file checked to exist."""
     try:
-        index = json.loads((root / INDEX_FILE).read_text())
+        text = (root / INDEX_FILE).read_text()
+        index = json.loads(text, object_pairs_hook=unique_pairs)  # a key twice is refused
+    except DuplicateKey as e:
+        raise CheckpointError(f"checkpoint: {INDEX_FILE} is not valid JSON (duplicate key "
+                              f"{show(e.key)}{duplicate_line(text)})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"checkpoint: {INDEX_FILE} is not valid JSON ({e.msg} at line "
                               f"{e.lineno})") from None
     except UnicodeDecodeError:
         raise CheckpointError(f"checkpoint: {INDEX_FILE} is not UTF-8 text") from None
+    except RecursionError:
+        raise CheckpointError(f"checkpoint: {INDEX_FILE} is not valid JSON (nested too "
+                              "deeply)") from None
+    except ValueError as e:  # e.g. an integer with too many digits
+        raise CheckpointError(f"checkpoint: {INDEX_FILE} is not valid JSON "
+                              f"({one_line(str(e))})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not (isinstance(weight_map, dict)
             and all(isinstance(v, str) for v in weight_map.values())):
@@ -272,11 +284,14 @@ def plan_load(path: str | os.PathLike, cfg: ModelConfig) -> LoadPlan:
 
 
 def load_state_dict(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+                    device: str | torch.device = "cpu",
+                    check_finite: bool = False) -> dict[str, torch.Tensor]:
     """moegraph state dict (experts stacked) from an HF checkpoint directory or file.
 
     dtype None keeps the checkpoint's dtype; otherwise tensors are cast while loading. Each file
-    is opened once and its tensors read in offset order."""
+    is opened once and its tensors read in offset order. With `check_finite` (what the commands
+    load with) a NaN or an infinity among the loaded values is an error naming the tensor
+    (`refuse_non_finite`); without it, loading is lossless, NaN bits included."""
     import torch
 
     plan = plan_load(path, cfg)
@@ -300,7 +315,62 @@ def load_state_dict(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtyp
         except (SafetensorError, OSError) as e:  # the file changed since plan_load read it
             first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointError(f"checkpoint: reading {file} failed: {first_line}") from None
-    return {name: state[name] for name in plan.shapes}
+    loaded = {name: state[name] for name in plan.shapes}
+    if check_finite:
+        refuse_non_finite(plan, loaded.items())
+    return loaded
+
+
+def refuse_non_finite(plan: LoadPlan, loaded) -> None:
+    """A CheckpointError naming the HF tensor, its file and the place of the first NaN or
+    infinity among the `loaded` (moegraph name, tensor as loaded) pairs, if there is one.
+
+    Every tensor is scanned once, with one host sync (models/common/finite.py); only the
+    tensors of a bad one are read from their files again, to name and place the value in the
+    checkpoint's own terms: its HF name, its index on disk, and whether the value is bad on
+    disk or only once cast to the load dtype (1e5 in float16) or dequantised (mxfp4)."""
+    from ..models.common.finite import first_non_finite
+
+    loaded = dict(loaded)
+    bad = first_non_finite(loaded.items())
+    if bad is None:
+        return
+    target, what = bad
+    dtype = loaded[target].dtype
+    reads = [r for r in plan.reads if r.target == target]
+    pending: dict = {}
+    try:
+        for file in dict.fromkeys(r.file for r in reads):
+            with safe_open(plan.root / file, framework="pt", device="cpu") as f:
+                for r in (r for r in reads if r.file == file):
+                    found = _non_finite_on_disk(r, f.get_tensor(r.hf_name), pending, dtype)
+                    if found is not None:
+                        raise CheckpointError(f"checkpoint: tensor {found[0]} in {file} is not "
+                                              f"finite{found[1]}")
+    except (SafetensorError, OSError):
+        pass  # the file changed since it was read: say what the loaded tensor holds
+    raise CheckpointError(f"checkpoint: tensor {target} as loaded from {plan.root} is not "
+                          f"finite ({what})")
+
+
+def _non_finite_on_disk(r: TensorRead, t: "torch.Tensor", pending: dict,
+                        dtype: "torch.dtype") -> tuple[str, str] | None:
+    """(HF name, " (nan at [2, 5])") where `r`'s tensor `t` as read from disk is not finite,
+    or becomes so as `dtype` (or dequantised, for an MXFP4 pair); None when it is finite."""
+    from ..models.common.finite import first_non_finite
+
+    as_dtype = str(dtype).removeprefix("torch.")
+    if r.part:
+        value = read_tensor(r, t, pending, dtype)
+        found = None if value is None else first_non_finite([(r.hf_name, value)])
+        name = r.hf_name.removesuffix(r.part)
+        return None if found is None else (name, f" once dequantised from mxfp4 to {as_dtype} "
+                                                 f"({found[1]})")
+    found = first_non_finite([(r.hf_name, t)])
+    if found is not None:
+        return r.hf_name, f" ({found[1]})"
+    found = first_non_finite([(r.hf_name, t.to(dtype))]) if t.dtype != dtype else None
+    return None if found is None else (r.hf_name, f" once cast to {as_dtype} ({found[1]})")
 
 
 def read_tensor(r: TensorRead, t: "torch.Tensor", pending: dict,

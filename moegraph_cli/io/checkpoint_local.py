@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import plan_load, read_tensor
+from .checkpoint import plan_load, read_tensor, refuse_non_finite
 from .hf_names import config_summary
 from .safetensors_format import shape_str
 from ..config import ModelConfig
@@ -26,9 +26,12 @@ from ..models.common.init import is_expert_stack, owned_rows
 
 @torch.no_grad()
 def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfig,
-                expert_range: tuple[int, int] | None = None) -> None:
+                expert_range: tuple[int, int] | None = None, check_finite: bool = False) -> None:
     """Fill every parameter of `model` in place from the checkpoint at `path`, cast to the
-    parameter's dtype, reading only what this rank holds (see the module docstring)."""
+    parameter's dtype, reading only what this rank holds (see the module docstring). With
+    `check_finite`, a NaN or an infinity in what this rank read is an error naming the HF
+    tensor (checkpoint.py `refuse_non_finite`); a rank checks only its own rows, and the
+    launcher reports the rank that found one."""
     plan = plan_load(path, cfg)
     params = dict(model.named_parameters())
     # saved buffers (DeepSeek's router correction bias) load like parameters
@@ -76,3 +79,5 @@ def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfi
         except (SafetensorError, OSError) as e:  # the file changed since plan_load read it
             first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointError(f"checkpoint: reading {file} failed: {first_line}") from None
+    if check_finite:
+        refuse_non_finite(plan, ((name, local) for name, (local, _, _) in local_rows.items()))

@@ -27,7 +27,7 @@ from ..errors import CheckpointError, UsageError
 from ..models.common.shapes import param_shapes
 from .hf_names import (INDEX_FILE, SHARD_FILE, SINGLE_FILE, and_more, config_summary,
                        hf_to_moegraph_names, to_hf_layout)
-from .outputs import write_atomically
+from .outputs import leftover_target, write_atomically
 from .safetensors_format import (BYTES_OF, LOADABLE_DTYPES, check_float_dtype, safetensors_dtype,
                                  shape_str, torch_dtype)
 
@@ -196,7 +196,9 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, layout: SaveLayo
     time: `tensor_of(hf_name)` returns that tensor (CPU, the layout's dtype, the disk shape).
     Each file is written atomically. `on_tensor(hf_name, nbytes)` follows progress; `written`
     (when given) lists each finished file as soon as it is in place, for a caller's cleanup.
-    Weight files of an earlier save that this one does not overwrite are removed at the end."""
+    Weight files of an earlier save that this one does not overwrite are removed at the end,
+    and so are the temporary files of an earlier save's checkpoint files that never finished
+    (outputs.py `leftover_temporaries`: a killed process's)."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     done = [] if written is None else written
@@ -221,8 +223,13 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, layout: SaveLayo
     done.append(root / "config.json")
 
     for old in root.iterdir():
-        stale_layout = old.name in (SINGLE_FILE, INDEX_FILE) or SHARD_FILE.fullmatch(old.name)
-        if stale_layout and old not in done:
+        target = leftover_target(old.name)  # None: not an unfinished write's temporary file
+        if target is None:
+            stale = old.name in (SINGLE_FILE, INDEX_FILE) or SHARD_FILE.fullmatch(old.name)
+        else:
+            stale = target in (SINGLE_FILE, INDEX_FILE, "config.json") \
+                or SHARD_FILE.fullmatch(target)
+        if stale and old not in done:
             old.unlink()
     return list(done)
 

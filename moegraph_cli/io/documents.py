@@ -128,23 +128,27 @@ def parse_yaml(text: str, where: str, syntax: str = "YAML", marks: bool = True):
         raise UsageError(f"{where}: not valid {syntax}: {one_line(str(e))}") from None
 
 
-class _DuplicateKey(ValueError):
+class DuplicateKey(ValueError):
+    """A JSON object names `key` twice (raised by `unique_pairs`)."""
+
     def __init__(self, key):
         super().__init__(key)
         self.key = key
 
 
-def _unique_pairs(pairs: list) -> dict:
-    """json's object_pairs_hook: an object that names a key twice is refused."""
+def unique_pairs(pairs: list) -> dict:
+    """json's object_pairs_hook: an object that names a key twice is refused (DuplicateKey),
+    where json would keep the last value silently. Every JSON reader of moegraph's uses it:
+    parse_json here, the checkpoint's shard index and safetensors headers."""
     out = {}
     for key, value in pairs:
         if key in out:
-            raise _DuplicateKey(key)
+            raise DuplicateKey(key)
         out[key] = value
     return out
 
 
-def _json_duplicate_line(text: str) -> str:
+def duplicate_line(text: str) -> str:
     """Where the JSON text names a key twice: ` at line N` from the YAML reader's marks (JSON
     is YAML's flow style), or nothing if that reader cannot place it."""
     try:
@@ -161,10 +165,10 @@ def parse_json(text: str, where: str):
     """The JSON document in `text`; `where` names it in errors. A key twice in one object is
     an error (json would keep the last value silently)."""
     try:
-        return json.loads(text, object_pairs_hook=_unique_pairs)
-    except _DuplicateKey as e:
+        return json.loads(text, object_pairs_hook=unique_pairs)
+    except DuplicateKey as e:
         raise UsageError(f"{where}: invalid JSON (duplicate key {show(e.key)}"
-                         f"{_json_duplicate_line(text)})") from None
+                         f"{duplicate_line(text)})") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{where}: invalid JSON ({e.msg} at line {e.lineno}, column "
                          f"{e.colno})") from None

@@ -8,16 +8,29 @@ know) are usage errors naming the path and the flag. A missing parent is created
 the user passed --mkdir; the writers below then create it. A write that fails later (a full
 disk) raises its OSError with the target's path as its filename, for the CLI's one line.
 
-`write_atomically` writes a temporary file beside the target and renames it over the target
-(os.replace), so an interrupted write leaves the old file or none, never half of one. The
-result gets the permissions a plain open() would give (0o666 less the umask), whichever
-library wrote the bytes: safetensors, for one, creates its files 0o600.
+`write_atomically` writes a temporary file beside the target, `.NAME.XXXXXXXX.tmp`, and
+renames it over the target (os.replace), so an interrupted write leaves the old file or none,
+never half of one: the temporary file is removed on any failure, Ctrl-C and the signals
+commands/cli_signals.py raises included (its name is held before the file exists, so the
+cleanup knows it whenever the interruption comes). Only a process killed outright (kill -9, the OOM
+killer) leaves one; `leftover_temporaries` finds them. The result gets the permissions a plain
+open() would give (0o666 less the umask), whichever library wrote the bytes: safetensors, for
+one, creates its files 0o600.
+
+Within `removed_on_interrupt()` (every CLI command runs in one) the files the writers here
+create where none was, and the directories they create, are listed; a block that ends by an
+interruption (Ctrl-C, SIGTERM, SIGHUP) removes them again, so an interrupted command leaves
+no output of its own. A file it replaced keeps its new, whole content (the old one is gone
+either way). A command that fails on an error keeps the outputs it had written whole (a plan
+written before stdout turned out full is still a good plan).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import tempfile
+import re
+import secrets
 import threading
 from pathlib import Path
 from typing import Callable
@@ -25,6 +38,82 @@ from typing import Callable
 from ..errors import UsageError, show_path
 
 _umask_lock = threading.Lock()
+# A temporary file of write_atomically (or of an older moegraph's tempfile.mkstemp): the
+# target's name, then 8 random characters.
+_TEMPORARY = re.compile(r"\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp")
+_journals: list[list[Path]] = []  # what the writers created, per removed_on_interrupt()
+
+
+def leftover_target(name: str) -> str | None:
+    """The target a temporary file named `name` was written for, or None if it is not one."""
+    m = _TEMPORARY.fullmatch(name)
+    return m.group("target") if m else None
+
+
+def leftover_temporaries(directory: Path) -> list[Path]:
+    """The temporary files of writes in `directory` that did not finish (sorted): those of a
+    killed process, or of a write still under way in another."""
+    return sorted(p for p in Path(directory).iterdir() if leftover_target(p.name) is not None)
+
+
+def _temporary_name(directory: Path, name: str) -> Path:
+    return directory / f".{name}.{secrets.token_hex(4)}.tmp"
+
+
+def _new_file(path: Path) -> bool:
+    """Create `path`, empty and 0o600, unless something is there already: True if created.
+    The caller holds the path before the file exists, so its cleanup never misses one."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _discard(path: Path | None) -> None:
+    if path is None:
+        return
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _record(path: Path) -> None:
+    """List `path`, about to be created, in the innermost open removed_on_interrupt()."""
+    if _journals:
+        _journals[-1].append(path)
+
+
+@contextlib.contextmanager
+def removed_on_interrupt():
+    """The files and directories the writers here create inside the block are removed again
+    if it ends by a KeyboardInterrupt (errors.Interrupted among them); see the module
+    docstring."""
+    created: list[Path] = []
+    _journals.append(created)
+    try:
+        yield
+    except KeyboardInterrupt:
+        for path in created:
+            if not path.is_dir():
+                _discard(path)
+        for directory in sorted((p for p in created if p.is_dir()),
+                                key=lambda p: len(p.parts), reverse=True):
+            try:
+                directory.rmdir()  # only if nothing else appeared in it
+            except OSError:
+                pass
+        raise
+    finally:
+        _journals.remove(created)
+
+
+def _make_parents(directory: Path) -> None:
+    missing = [p for p in (directory, *directory.parents) if not p.exists()]
+    for parent in missing:
+        _record(parent)
+    directory.mkdir(parents=True, exist_ok=True)
 
 
 def _parent_ok(path: Path, flag: str, mkdir: bool) -> None:
@@ -47,13 +136,15 @@ def _takes_files(directory: Path, path: Path, flag: str) -> None:
     """A file can be created in `directory` (the writers put a temporary file beside the
     target): one is created and removed again. A read-only file system, a directory that is
     not writable and /proc or /sys fail here, before any work."""
+    probe = _temporary_name(directory, "moegraph-probe")
     try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".moegraph-probe.")
+        while not _new_file(probe):
+            probe = _temporary_name(directory, "moegraph-probe")
     except OSError as e:
         raise UsageError(f"{flag} {show_path(path)}: cannot create files in {directory} "
                          f"({e.strerror or type(e).__name__})") from None
-    os.close(fd)
-    os.unlink(probe)
+    finally:
+        _discard(probe)
 
 
 def _name_lengths_ok(path: Path, flag: str) -> None:
@@ -145,24 +236,24 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
     asked for them). On any failure, KeyboardInterrupt included, the temporary file is removed
     and `path` is untouched."""
     path = Path(path)
+    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise _about(e, path) from None
-    os.close(fd)
-    tmp = Path(name)
-    try:
+        _make_parents(path.parent)
+        if not path.exists():
+            _record(path)
+        tmp = _temporary_name(path.parent, path.name)
+        while not _new_file(tmp):
+            tmp = _temporary_name(path.parent, path.name)
         write(tmp)
         os.chmod(tmp, file_mode())
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise _about(e, path) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
     _fsync_dir(path.parent)
     return path

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, UsageError
+from .documents import DuplicateKey, unique_pairs
 
 if TYPE_CHECKING:
     import torch
@@ -86,16 +87,11 @@ def read_safetensors_header(file: Path) -> dict[str, HeaderEntry]:
             raise corrupt(f"header length {header_len} does not fit in the file's {size} bytes")
         raw = f.read(header_len)
 
-    def no_duplicate_keys(pairs):
-        keys = [k for k, _ in pairs]
-        if len(set(keys)) != len(keys):
-            dup = next(k for k in keys if keys.count(k) > 1)
-            raise corrupt(f"key {dup} appears twice")
-        return dict(pairs)
-
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as e:
+    try:  # a name twice: safetensors' own reader would keep one of the two silently
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
+    except DuplicateKey as e:
+        raise corrupt(f"key {e.key} appears twice") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise corrupt(f"not valid JSON ({getattr(e, 'msg', type(e).__name__)})") from None
     if not isinstance(header, dict):
         raise corrupt("not a JSON object")

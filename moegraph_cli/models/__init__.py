@@ -18,11 +18,13 @@ __all__ = ["Family", "families", "family_of", "supported_types", "from_pretraine
            "from_profile", "MoeCausalLM", "ModelOutput", "DTYPES", "causal_lm_loss"]
 
 
-def from_pretrained(path, dtype=None, device="cpu", moe=None):
-    """The model of an HF checkpoint directory (any supported family)."""
+def from_pretrained(path, dtype=None, device="cpu", moe=None, check_finite=False):
+    """The model of an HF checkpoint directory (any supported family); `check_finite` refuses
+    NaN or infinite weights."""
     from .common.decoder import MoeCausalLM
 
-    return MoeCausalLM.from_pretrained(path, dtype=dtype, device=device, moe=moe)
+    return MoeCausalLM.from_pretrained(path, dtype=dtype, device=device, moe=moe,
+                                       check_finite=check_finite)
 
 
 def from_profile(name: str | None = None, seed: int | None = None, dtype=None, device="cpu",

@@ -76,7 +76,9 @@ def pick_device(name: str = "auto", need_cuda: bool = False) -> torch.device:
 def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt=None,
                 plan=None):
     """The model of this process: whole, or (distributed, `rt`) this rank's shard, with
-    run.recompute set on every layer, or, with a plan (plan/planfile.Plan), each layer's."""
+    run.recompute set on every layer, or, with a plan (plan/planfile.Plan), each layer's.
+    Weights from a checkpoint are refused if any is NaN or infinite (one line naming the HF
+    tensor): capture, profile and verify all build their model here."""
     from ..models.common.recompute import set_recompute
 
     prof = spec.profile
@@ -86,7 +88,7 @@ def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt
     elif spec.checkpoint is not None:
         from ..models import MoeCausalLM
         model = MoeCausalLM.from_pretrained(spec.checkpoint, dtype=prof.run.dtype,
-                                            device=device, moe=prof.moe)
+                                            device=device, moe=prof.moe, check_finite=True)
     else:
         from ..models import MoeCausalLM
         model = MoeCausalLM.from_config(prof.model, prof.moe,

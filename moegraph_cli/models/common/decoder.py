@@ -114,12 +114,16 @@ class MoeCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
-                        device="cpu", moe: MoeConfig | None = None) -> "MoeCausalLM":
+                        device="cpu", moe: MoeConfig | None = None,
+                        check_finite: bool = False) -> "MoeCausalLM":
+        """The model of an HF checkpoint; `check_finite` refuses NaN or infinite weights
+        (io/checkpoint.py load_state_dict)."""
         from ...io.checkpoint import load_state_dict
 
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         cfg = read_hf_config(path)
-        state = load_state_dict(path, cfg, dtype=dtype, device=device)
+        state = load_state_dict(path, cfg, dtype=dtype, device=device,
+                                check_finite=check_finite)
         with torch.device("meta"):
             model = cls(cfg, moe)
         model.load_state_dict(state, assign=True, strict=True)
