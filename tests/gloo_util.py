@@ -42,7 +42,8 @@ def _entry(rank: int, world: int, port: int, env: dict, fn, args) -> None:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     # The ranks share the machine's cores: one thread each beyond that many ranks, as
     # torchrun sets OMP_NUM_THREADS=1 (more threads only contend).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)

@@ -39,10 +39,13 @@ def _moegraph(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("nproc,ep", [(2, 2), (4, 4), (8, 8)])
+@pytest.mark.parametrize("nproc,ep", [(2, 2), (8, 8)])
 def test_verify_against_single_process_fp32(nproc, ep):
     """Three steps at lr > 0: the distributed mean loss equals one process's within 1e-5.
-    (8, 8) is the shape of the published recipe point (issue 13), on gloo."""
+    (8, 8) is the shape of the published recipe point (issue 13), on gloo. (4, 4) would run
+    the same path between them; four ranks through the launcher: test_expert_shards.py (ep
+    2) and test_multinode.py, and ep 4 of 4 in-process: test_expert_shards.py,
+    test_ep_overflow.py, moe/test_ep_dispatch.py."""
     r = _moegraph("verify", "--nproc", str(nproc), "--ep", str(ep), "--reference", "single",
                   "--no-lr0", "--steps", "3", "--tolerance", "1e-5", "--json", *CPU, *SMALL)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -66,12 +69,13 @@ def test_verify_against_single_process_fp32(nproc, ep):
     ("tiny-deepseek-v3", MLA),
     ("tiny-gpt-oss", []),
 ])
-def test_verify_each_family_against_single_process(profile, extra, tmp_path):
+def test_verify_each_family_against_single_process(profile, extra, tmp_path, monkeypatch):
     """FSDP2 over the family's dense parameters (biases, q/k norms over the projection, a
     shared expert, MLA, sinks) and EP over its experts (with their biases, GPT-OSS; the
     grouped router's correction bias, DeepSeek-V3): the same losses as one process."""
     argv = ["verify", "-p", profile, "--ep", "2", "--reference", "single", "--no-lr0",
             "--steps", "2", "--tolerance", "1e-5", "--json", *CPU, *SMALL, *extra]
+    monkeypatch.setenv("MOEGRAPH_COLLECTIVE_TIMEOUT_S", "120")  # a hung rank ends the test
     run_gloo(_cli_in_rank, 2, argv, tmp_path)
     (code0, out0, err0), (code1, out1, err1) = [
         json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
