@@ -187,9 +187,12 @@ def _skewed_checkpoint(directory):
     experts (0-3 of 8 at ep 2), -0.5 for the others: nearly every token routes to rank 0."""
     from safetensors.torch import load_file, save_file
 
+    from cli_util import run_cli
+
     sets = [x for s in SMALL if s.startswith("model.") for x in ("--set", s)]
-    r = _moegraph("init", "tiny-qwen3-moe", str(directory), *sets, "--set", "run.dtype=float32")
-    assert r.returncode == 0, r.stderr[-2000:]
+    code, _, err = run_cli("init", "tiny-qwen3-moe", str(directory), *sets, "--set",
+                           "run.dtype=float32")
+    assert code == 0, err[-2000:]
     path = directory / "model.safetensors"
     tensors = load_file(path)
     tensors["model.embed_tokens.weight"][:, 0] += 1.0

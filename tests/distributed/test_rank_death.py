@@ -18,19 +18,27 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 20  # MOEGRAPH_COLLECTIVE_TIMEOUT_S: the watchdog's deadline
+# MOEGRAPH_COLLECTIVE_TIMEOUT_S, the watchdog's deadline: far above the killed rank's
+# expected end (the survivor must not wait for it), and for the stopped rank a few times the
+# longest gap between heartbeats at these sizes (set-up, a step), which it waits out.
+TIMEOUT_S = 20
+STOPPED_TIMEOUT_S = 8
 # verify's bar reads "steps" once capture is done (after "verify"); rich redraws the line
 # with a carriage return and an erase-line code before it.
 STEPS_BEGUN = re.compile(r"(\r|\x1b\[2K)steps ")
-ARGS = ["verify", "--nproc", "2", "--steps", "400", "--set", "run.device=cpu",
-        "--set", "run.dtype=float32", "--set", "run.seq_len=32"]
+# CPU-small widths: a step takes milliseconds, so 2000 of them outlast the test's actions
+SMALL = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",
+         "model.num_key_value_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16",
+         "model.intermediate_size=48", "run.device=cpu", "run.dtype=float32",
+         "run.seq_len=32"]
+ARGS = ["verify", "--nproc", "2", "--steps", "2000", *[a for o in SMALL for a in ("--set", o)]]
 
 
-def _env() -> dict:
+def _env(timeout_s: float) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MOEGRAPH_ERROR_DIR",
                         "MOEGRAPH_DEBUG")}
-    env.update(TERM="xterm", COLUMNS="100", MOEGRAPH_COLLECTIVE_TIMEOUT_S=str(TIMEOUT_S))
+    env.update(TERM="xterm", COLUMNS="100", MOEGRAPH_COLLECTIVE_TIMEOUT_S=str(timeout_s))
     return env
 
 
@@ -59,13 +67,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run(act, after_act=None, limit_s: float = 400):
+def _run(act, after_act=None, timeout_s: float = TIMEOUT_S, limit_s: float = 400):
     """Run ARGS with stderr on a pty; `act(ranks)` once the steps have begun, then
     `after_act(ranks)` on every poll until the launcher exits. (code, terminal text,
     seconds from act to exit)."""
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "moegraph_cli.app", *ARGS], cwd=REPO,
-                            env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            env=_env(timeout_s), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=slave)
     os.close(slave)
     text, acted_at, ranks = "", None, {}
@@ -129,14 +137,14 @@ def test_a_stopped_rank_is_ended_by_the_watchdog_naming_the_phase():
             os.kill(ranks[1], signal.SIGCONT)  # its pending SIGTERM from the launcher ends it
 
     code, text, after = _run(lambda ranks: os.kill(ranks[1], signal.SIGSTOP),
-                             resume_once_rank0_is_gone)
+                             resume_once_rank0_is_gone, timeout_s=STOPPED_TIMEOUT_S)
     assert code == 1
     line = _the_line(text)
-    assert line.startswith(f"moegraph: error: rank 0: no progress for {TIMEOUT_S} s during "
-                           "steps ("), line
+    assert line.startswith(f"moegraph: error: rank 0: no progress for {STOPPED_TIMEOUT_S} s "
+                           "during steps ("), line
     assert line.endswith("done): a collective did not complete (another rank failed or hung)")
     assert "start-up" not in line and "set-up" not in line
-    assert after < TIMEOUT_S + 30, after
+    assert after < STOPPED_TIMEOUT_S + 30, after
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,8 @@ emulated graph backend; side effects (drop counts) counted once; nothing but the
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -57,6 +59,15 @@ def _steps(trainer, model, steps=2, seed=1):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _without_recompute(profile, overrides: tuple, lr: float, steps: int):
+    """(losses and gradients of each step, routes dropped) of the model without recompute:
+    a function of its arguments (seeded build, fixed batches), so each runs once per module
+    and every recompute mode and graph strategy is compared with the same run."""
+    base = _build(profile, list(overrides))
+    return _steps(GraphTrainer(base, lr=lr), base, steps=steps), dropped_routes(base)
+
+
 def _assert_same(a, b):
     for (la, ga), (lb, gb) in zip(a, b):
         assert la == lb
@@ -67,8 +78,8 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("profile", FAMILIES)
 @pytest.mark.parametrize("mode", ["full", "fc1"])
 def test_eager_recompute_is_bitwise(profile, mode):
-    base, rec = _build(profile, []), _recomputed(_build(profile, []), MODES[mode])
-    _assert_same(_steps(GraphTrainer(base, lr=1e-2), base),
+    rec = _recomputed(_build(profile, []), MODES[mode])
+    _assert_same(_without_recompute(profile, (), 1e-2, 2)[0],
                  _steps(GraphTrainer(rec, lr=1e-2), rec))
 
 
@@ -79,12 +90,11 @@ def test_eager_recompute_is_bitwise(profile, mode):
 ], ids=["capacity", "permute_free", "permute_free-capacity"])
 @pytest.mark.parametrize("mode", ["attn", "moe", "fc1"])
 def test_recompute_modes_and_backends(overrides, mode):
-    base = _build("tiny-qwen3-moe", overrides)
+    base_steps, base_dropped = _without_recompute("tiny-qwen3-moe", tuple(overrides), 1e-2, 2)
     rec = _recomputed(_build("tiny-qwen3-moe", overrides), MODES[mode])
-    _assert_same(_steps(GraphTrainer(base, lr=1e-2), base),
-                 _steps(GraphTrainer(rec, lr=1e-2), rec))
+    _assert_same(base_steps, _steps(GraphTrainer(rec, lr=1e-2), rec))
     # Drops are counted by the forward once, not again by the re-run.
-    assert dropped_routes(base) == dropped_routes(rec)
+    assert base_dropped == dropped_routes(rec)
 
 
 @pytest.mark.parametrize("profile", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss"])
@@ -93,9 +103,8 @@ def test_recompute_modes_and_backends(overrides, mode):
 def test_graphed_recompute_matches_eager(profile, mode, strategy):
     """Captured scopes with recompute (the re-run inside the backward graph) against eager
     without it: losses and every gradient bitwise, every scope replayed, no fallback."""
-    eager = _build(profile, [])
     graphed = _recomputed(_build(profile, []), MODES[mode])
-    te, tg = GraphTrainer(eager, lr=0.0), GraphTrainer(graphed, lr=0.0)
+    tg = GraphTrainer(graphed, lr=0.0)
     session = GraphSession(scope_specs(graphed, ["attn", "moe"]), strategy=strategy,
                            backend=EmulatedGraphs(), warmup_iters=1)
     ids = next(batches(128, 2, 16, 0, "cpu"))
@@ -103,7 +112,7 @@ def test_graphed_recompute_matches_eager(profile, mode, strategy):
     assert session.capture(), session.failure
     session.install()
     tg.session = session
-    _assert_same(_steps(te, eager, steps=3), _steps(tg, graphed, steps=3))
+    _assert_same(_without_recompute(profile, (), 0.0, 3)[0], _steps(tg, graphed, steps=3))
     tot = session.stats()["totals"]
     assert tot["fallback"] == 0 and tot["replayed"] == 3 * len(session.scopes)
 

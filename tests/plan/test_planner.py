@@ -71,9 +71,15 @@ def test_nothing_captured_when_only_that_fits(layers, below):
                            for i in range(n) for s in STRATEGIES)
     assert cheapest_capture > eager
     budget = int(eager + below * (cheapest_capture - eager))
-    best = choose(model, budget, ["attn", "moe"], list(STRATEGIES), estimated_savings())
+    best = choose(model, budget, ["attn", "moe"], list(STRATEGIES), estimated_savings(),
+                  recompute="none")
     assert not any(best.prediction.captured)
     assert best.saved_ms == 0
+    # With recompute (run.recompute auto) a capture may fit there: only by recomputing.
+    auto = choose(model, budget, ["attn", "moe"], list(STRATEGIES), estimated_savings())
+    assert auto.prediction.required <= budget
+    if any(auto.prediction.captured):
+        assert any(m != "none" for m in auto.modes) and auto.recompute_ms > 0
     # Below the eager step nothing fits without recompute; with it (run.recompute auto) a
     # plan, where one fits, recomputes and stays under the budget.
     assert choose(model, eager - 1, ["attn", "moe"], list(STRATEGIES), estimated_savings(),
