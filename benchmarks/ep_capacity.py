@@ -115,17 +115,6 @@ def model_routing(steps: int, tokens_needed: int, batches_kept: int) -> dict[str
     return out
 
 
-def _skewed_route(x_TH, w_router_EH, top_k, norm_topk_prob):
-    """moe/routing.route with +8 on experts 0..k-1 for the tokens with x[:, 0] > -1.5."""
-    logits_TE = torch.nn.functional.linear(x_TH, w_router_EH)
-    hot_E = torch.zeros(logits_TE.shape[1], dtype=logits_TE.dtype)
-    hot_E[:top_k] = 8.0
-    logits_TE = logits_TE + (x_TH[:, :1] > -1.5).to(logits_TE.dtype) * hot_E
-    probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-    topk_weights_TK, topk_ids_TK = torch.topk(probs_TE, top_k, dim=-1)
-    if norm_topk_prob:
-        topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(dim=-1, keepdim=True)
-    return topk_ids_TK, topk_weights_TK.to(logits_TE.dtype), probs_TE
 
 
 REDO_CASES = {"bounded": (False, ["moe.ep_dispatch=all_to_all", "moe.ep_capacity_factor=8.0"]),
@@ -145,6 +134,7 @@ def _redo_rank(rank: int, world: int, port: int, steps: int, out_file: str) -> N
 
     from moegraph_cli.distributed.runtime import setup
     from moegraph_cli.models.common import ffn
+    from moegraph_cli.moe.routing import skewed_route
     from moegraph_cli.train.harness import make_trainer
     from moegraph_cli.train.runspec import build_model, resolve
     from moegraph_cli.train.trainer import batches
@@ -174,7 +164,7 @@ def _redo_rank(rank: int, world: int, port: int, steps: int, out_file: str) -> N
         step_ms[name] = []
     for step in range(steps + 1):  # the first step of each is a warm-up
         for name, (skew, trainer, it) in runs.items():
-            ffn.route = _skewed_route if skew else plain
+            ffn.route = skewed_route if skew else plain
             dist.barrier()
             t0 = time.perf_counter()
             trainer.step(next(it))

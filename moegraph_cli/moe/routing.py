@@ -26,7 +26,23 @@ import torch.nn.functional as F
 
 def route(x_TH: torch.Tensor, w_router_EH: torch.Tensor, top_k: int, norm_topk_prob: bool):
     """Return (topk_ids_TK int64, topk_weights_TK in x's dtype, probs_TE fp32)."""
+    return _softmax_topk(F.linear(x_TH, w_router_EH), top_k, norm_topk_prob)
+
+
+def skewed_route(x_TH: torch.Tensor, w_router_EH: torch.Tensor, top_k: int,
+                 norm_topk_prob: bool):
+    """`route` with +8 on the logits of experts 0..k-1 for the tokens whose first feature is
+    above -1.5 (about 93% of them after a norm): a router that sends most tokens to the first
+    EP rank's experts. Not a model's router: benchmarks/ep_capacity.py and the overflow tests
+    patch it over models/common/ffn.route to force bounded-dispatch overflow."""
     logits_TE = F.linear(x_TH, w_router_EH)
+    hot_E = torch.zeros(logits_TE.shape[1], dtype=logits_TE.dtype)
+    hot_E[:top_k] = 8.0
+    logits_TE = logits_TE + (x_TH[:, :1] > -1.5).to(logits_TE.dtype) * hot_E
+    return _softmax_topk(logits_TE, top_k, norm_topk_prob)
+
+
+def _softmax_topk(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool):
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
     topk_weights_TK, topk_ids_TK = torch.topk(probs_TE, top_k, dim=-1)
     if norm_topk_prob:

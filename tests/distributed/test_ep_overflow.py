@@ -1,19 +1,18 @@
 """A step whose bounded EP dispatch overflows is detected, agreed, redone and counted
 (distributed/overflow.py), on CPU gloo ranks.
 
-The skew is a test-only router (`_skewed_route`, patched over models/common/ffn.route in every
-process, the one-process reference included): a token whose first feature after the post
-norm is above -1.5 (about 93% of them) gets +8 on the logits of experts 0..k-1, so most tokens
-route to EP rank 0 (P = 2, 4) or ranks 0 and 1 (P = 8) only, past the rows a pair holds at
-`moe.ep_capacity_factor=1.0`: every step overflows. The redone steps must equal, bit for bit,
-a run through the all-gather (`moe.ep_dispatch=all_gather`), graphed or not, and the losses
-and gradients one process over the same global batch.
+The skew is moe/routing.py's measurement router `skewed_route`, patched over
+models/common/ffn.route in every process, the one-process reference included: a token whose
+first feature after the post norm is above -1.5 (about 93% of them) gets +8 on the logits of
+experts 0..k-1, so most tokens route to EP rank 0 (P = 2, 4) or ranks 0 and 1 (P = 8) only,
+past the rows a pair holds at `moe.ep_capacity_factor=1.0`: every step overflows. The redone
+steps must equal, bit for bit, a run through the all-gather (`moe.ep_dispatch=all_gather`),
+graphed or not, and the losses and gradients one process over the same global batch.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from gloo_util import run_gloo
 
@@ -25,22 +24,10 @@ BOUNDED = ["moe.ep_dispatch=all_to_all", "moe.ep_capacity_factor=1.0"]
 GATHER = ["moe.ep_dispatch=all_gather"]
 
 
-def _skewed_route(x_TH, w_router_EH, top_k, norm_topk_prob):
-    """moe/routing.route with +8 on experts 0..k-1 for the tokens with x[:, 0] > -1.5."""
-    logits_TE = F.linear(x_TH, w_router_EH)
-    hot_E = torch.zeros(logits_TE.shape[1], dtype=logits_TE.dtype)
-    hot_E[:top_k] = 8.0
-    logits_TE = logits_TE + (x_TH[:, :1] > -1.5).to(logits_TE.dtype) * hot_E
-    probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-    topk_weights_TK, topk_ids_TK = torch.topk(probs_TE, top_k, dim=-1)
-    if norm_topk_prob:
-        topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(dim=-1, keepdim=True)
-    return topk_ids_TK, topk_weights_TK.to(logits_TE.dtype), probs_TE
-
-
 def _skew_router():
     from moegraph_cli.models.common import ffn
-    ffn.route = _skewed_route
+    from moegraph_cli.moe.routing import skewed_route
+    ffn.route = skewed_route
 
 
 def _spec(extra):
