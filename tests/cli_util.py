@@ -1,4 +1,5 @@
-"""Run the CLI in-process and get (exit code, stdout, stderr) on any click version."""
+"""Run the CLI in-process and get (exit code, stdout, stderr) on any click version; the tiny
+model the CLI tests write checkpoints of."""
 
 import inspect
 
@@ -27,3 +28,17 @@ def one_line(code, out, err, expected_code, *needles):
         assert needle in lines[0], (needle, lines[0])
     assert "internal error" not in err and "Traceback" not in out + err
     return lines[0]
+
+
+# A tiny-qwen3-moe small enough that `init` and a CPU step take a moment.
+TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",
+        "model.num_key_value_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16",
+        "model.intermediate_size=48", "run.dtype=float32"]
+TINY_SET = [a for kv in TINY for a in ("--set", kv)]
+
+
+def tiny_checkpoint(d, *extra: str):
+    """`moegraph init` of the TINY model into `d` (extra: more CLI arguments); returns `d`."""
+    code, _, err = run_cli("init", "tiny-qwen3-moe", d, *TINY_SET, *extra)
+    assert code == 0, err
+    return d

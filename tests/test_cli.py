@@ -6,12 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cli_util import run_cli
-
-TINY = ["--set", "model.vocab_size=128", "--set", "model.hidden_size=32",
-        "--set", "model.num_attention_heads=4", "--set", "model.num_key_value_heads=2",
-        "--set", "model.head_dim=8", "--set", "model.moe_intermediate_size=16",
-        "--set", "model.intermediate_size=48", "--set", "run.dtype=float32"]
+from cli_util import TINY_SET, run_cli
 
 
 def _one_line_error(code, out, err, expected_code, needle):
@@ -47,7 +42,7 @@ def test_inspect_table_default_profile():
 @pytest.fixture
 def ckpt(tmp_path):
     d = tmp_path / "ck"
-    code, out, err = run_cli("init", "tiny-qwen3-moe", d, *TINY)
+    code, out, err = run_cli("init", "tiny-qwen3-moe", d, *TINY_SET)
     assert code == 0, err
     return d
 

@@ -11,14 +11,10 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from cli_util import one_line, run_cli
+from cli_util import one_line, run_cli, tiny_checkpoint
 from moegraph_cli.plan.runkey import run_key
 from moegraph_cli.train.runspec import resolve
 
-TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",
-        "model.num_key_value_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16",
-        "model.intermediate_size=48", "run.dtype=float32"]
-TINY_SET = [a for kv in TINY for a in ("--set", kv)]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 
 
@@ -124,10 +120,7 @@ def test_huge_numbers_are_refused_not_overflowed(field):
 # -- config.json ---------------------------------------------------------------------------
 @pytest.fixture
 def ckpt(tmp_path):
-    d = tmp_path / "ck"
-    code, out, err = run_cli("init", "tiny-qwen3-moe", d, *TINY_SET, "--json")
-    assert code == 0, err
-    return d
+    return tiny_checkpoint(tmp_path / "ck", "--json")
 
 
 def _config(ckpt, edit):

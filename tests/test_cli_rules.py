@@ -15,17 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cli_util import one_line, run_cli
+from cli_util import TINY_SET, one_line, run_cli, tiny_checkpoint
 from moegraph_cli.config.fields import BOUNDS, MAX_INT, MAX_SEED
 from moegraph_cli.plan.runkey import run_key
 from moegraph_cli.report import render
 from moegraph_cli.train.runspec import resolve
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",
-        "model.num_key_value_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16",
-        "model.intermediate_size=48", "run.dtype=float32"]
-TINY_SET = [a for kv in TINY for a in ("--set", kv)]
 CPU = ["--set", "run.device=cpu", "--set", "run.seq_len=32"]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 
@@ -36,10 +32,7 @@ def _listing(path: Path) -> list:
 
 @pytest.fixture
 def ckpt(tmp_path):
-    d = tmp_path / "ck"
-    code, out, err = run_cli("init", "tiny-qwen3-moe", d, *TINY_SET, "--json")
-    assert code == 0, err
-    return d
+    return tiny_checkpoint(tmp_path / "ck", "--json")
 
 
 # -- 2. a key twice ----------------------------------------------------------------------------

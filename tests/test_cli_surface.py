@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_util import run_cli
+from cli_util import TINY, TINY_SET, run_cli
 from moegraph_cli.commands import create as create_mod
 from moegraph_cli.io.checkpoint import load_state_dict
 from moegraph_cli.io.checkpoint_save import save_checkpoint
@@ -25,10 +25,6 @@ from moegraph_cli.io.outputs import file_mode, write_atomically
 from moegraph_cli.train.runspec import resolve
 from moegraph_cli.units import fmt_bytes, parse_bytes
 
-TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",
-        "model.num_key_value_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16",
-        "model.intermediate_size=48", "run.dtype=float32"]
-TINY_SET = [a for kv in TINY for a in ("--set", kv)]
 REPO = Path(__file__).resolve().parents[1]
 
 

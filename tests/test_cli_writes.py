@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_util import one_line, run_cli
+from cli_util import TINY_SET, one_line, run_cli
 from moegraph_cli.commands.cli_signals import signals_interrupt
 from moegraph_cli.errors import Interrupted, UsageError
 from moegraph_cli.io import outputs
@@ -23,10 +23,6 @@ from moegraph_cli.io.outputs import removed_on_interrupt, write_text_atomically
 from moegraph_cli.units import fmt_bytes
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_attention_heads=4",
-        "model.num_key_value_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16",
-        "model.intermediate_size=48", "run.dtype=float32"]
-TINY_SET = [a for kv in TINY for a in ("--set", kv)]
 _ENTRY = Path(sys.executable).with_name("moegraph")
 MOEGRAPH = [str(_ENTRY)] if _ENTRY.is_file() else [sys.executable, "-m", "moegraph_cli.app"]
 # The default tiny-qwen3-moe is 80 MB of bf16: at 30 MB a shard, the embedding, the layers and
