@@ -150,7 +150,6 @@ class GraphSession:
         if reason is not None:
             # Outside the handler: the exception's frames (warm-up outputs, half-recorded
             # static buffers) are gone before the release returns their memory.
-            scope = None
             self.rollback(reason)
             return False
         self.captured = True

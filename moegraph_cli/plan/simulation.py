@@ -213,7 +213,8 @@ class StepModel:
                 continue
             m = self.memory(i)
             if strategy == "per_entry":
-                fwd, bwd = _private_pools(m, frag)
+                fwd, bwd = _private_pools(m, 1.0 + min(self.fragmentation,
+                                                       PRIVATE_FRAGMENTATION))
                 pools[f"{ref.name}.fwd"], pools[f"{ref.name}.bwd"] = fwd, bwd
                 scope_bytes[ref.name] = fwd + bwd
             else:
@@ -294,10 +295,9 @@ def _private_pools(m: ScopeMemory, frag: float) -> tuple[int, int]:
     """A graph's own pool: its live peak, rounded. One capture's few large blocks leave
     little slack (measured on the H200 over every family's 4-layer slice at 4 x 4096:
     the private pools reserved within about 1% of their live peaks), so the fragmentation
-    charged here is PRIVATE_FRAGMENTATION, not the shared pools' `frag`."""
+    charged (`frag`, by the caller) is at most PRIVATE_FRAGMENTATION, not the shared pools'."""
     if m.private_pools is not None:
         return m.private_pools
-    frag = min(frag, 1.0 + PRIVATE_FRAGMENTATION)
     fwd = _round_up(int((m.saved + m.out + m.fwd_transient) * frag), SEGMENT) + MEDIUM_SEGMENT
     bwd = _round_up(int(m.bwd_transient * frag), SEGMENT) + MEDIUM_SEGMENT
     return fwd, bwd

@@ -71,18 +71,27 @@ def test_seq_len_change_falls_back_and_is_counted(strategy):
     session.uninstall()
 
 
-def test_forced_oom_rolls_back_and_training_continues():
+def _capped_after_eager_steps():
+    """The tiny model after three eager steps, under a cap 8 MiB above the last one's peak
+    (which no capture fits): (model, trainer, batches, allocated bytes before that step)."""
     model = _tiny()
     tr = GraphTrainer(model, lr=1e-4)
     it = batches(32000, 2, 512, 0, "cuda")
     for _ in range(2):
         tr.step(next(it))
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
     reset_peaks()
     tr.step(next(it))
     need = peaks()["peak_reserved"]
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((need + 8 * 2**20) / total)
+    return model, tr, it, before
+
+
+def test_forced_oom_rolls_back_and_training_continues():
+    model, tr, it, _ = _capped_after_eager_steps()
     try:
         session = GraphSession(scope_specs(model, ["attn", "moe"]), strategy="per_entry")
         ok = capture_into(model, session, next(it))
@@ -100,19 +109,7 @@ def test_forced_oom_rolls_back_and_training_continues():
 def test_rolled_back_capture_holds_no_memory_afterwards():
     """After a capture that ran out of memory, the allocator is where it was before it: the
     recorded inputs, half-captured static buffers and every private pool are released."""
-    model = _tiny()
-    tr = GraphTrainer(model, lr=1e-4)
-    it = batches(32000, 2, 512, 0, "cuda")
-    for _ in range(2):
-        tr.step(next(it))
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated()
-    reset_peaks()
-    tr.step(next(it))
-    need = peaks()["peak_reserved"]
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction((need + 8 * 2**20) / total)
+    model, tr, it, before = _capped_after_eager_steps()
     try:
         session = GraphSession(scope_specs(model, ["attn", "moe"]), strategy="per_entry")
         assert not capture_into(model, session, next(it)), "the cap is too loose"
