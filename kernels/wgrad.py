@@ -15,6 +15,12 @@ Layout contract (S slots, E experts, see route_align.py):
 - `accumulate`: the tile is added (in fp32, one rounding to the output dtype) to what dW
   holds, instead of overwriting it (gradient accumulation over micro-batches); an empty
   expert's tiles are then left as they were (plus exact zeros).
+- The K loop runs over the expert's padded slot range (`PADDED_K`, where BLOCK_K divides the
+  route block): its padding slots read zeros from a slot-order operand (every row of a live
+  block is written, zeros for padding) and are masked by their sentinel token in a gathered
+  one, so no K mask is needed and, with `GemmConfig.tma`, the slot-order operand loads
+  through a TMA descriptor (box [BLOCK_K, tile] at (slot, column)). The values the dot sees
+  are those of the masked loop, so the result is the same.
 - Programs run expert-major; within an expert, tiles are grouped GROUP_M rows at a time so the
   expert's L and R rows are reused from L2. The sum order is fixed: bitwise repeatable.
 
@@ -33,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tma
+from .env import flag_from_env
 from .gemm_config import GemmConfig, tile_from_env
 from .route_align import RouteList
 from .slot_schedule import grouped_pid
@@ -41,6 +49,16 @@ from .slot_schedule import grouped_pid
 # MOEGRAPH_WGRAD_SHORT="bm,bn,bk,group,warps,stages" (what benchmarks/wgrad_sweep.py prints),
 # read once here, not on every call.
 SHORT_OVERRIDE = tile_from_env("MOEGRAPH_WGRAD_SHORT")
+
+# K tiles over an expert's padded slot range (BLOCK_K dividing the route block), so the
+# slot-order operand needs no K mask and can load through TMA (GemmConfig.tma); off
+# (MOEGRAPH_WGRAD_PADDED=0): the masked K loop over exactly the real slots. Same values
+# either way: the padding slots are zeros on one side and masked on the other.
+PADDED_K = flag_from_env("MOEGRAPH_WGRAD_PADDED", True)
+
+# (padded, tma) of the latest launch, keyed by gather_l (True: dW_down, False: dW_gate_up),
+# for tests and benchmarks.
+LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool]] = {}
 
 
 def wgrad_config(n: int, device: torch.device,
@@ -65,11 +83,11 @@ def wgrad_config(n: int, device: torch.device,
 
 @triton.jit
 def _expert_wgrad_kernel(
-    l_ptr, r_ptr, dw_ptr, slot_token_ptr, expert_start_ptr, expert_count_ptr,
-    M, N, stride_l, stride_r, stride_dwe, stride_dwm,
+    l_ptr, r_ptr, l_desc, r_desc, dw_ptr, slot_token_ptr, expert_start_ptr, expert_count_ptr,
+    M, N, num_tokens, stride_l, stride_r, stride_dwe, stride_dwm,
     GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -86,21 +104,40 @@ def _expert_wgrad_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, count, BLOCK_K):
-        k_ok = offs_k + k0 < count
         slots = start + k0 + offs_k
-        if GATHER_L:
-            row_l = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
+        row_l = slots
+        row_r = slots
+        if PADDED:
+            # The K tile stays inside the expert's live blocks (BLOCK_K divides the route
+            # block): slots past the count are padding, zeros in a slot-order operand and
+            # masked by their sentinel token in a gathered one.
+            l_mask = m_ok[:, None]
+            r_mask = n_ok[None, :]
+            if GATHER_L:
+                row_l = tl.load(slot_token_ptr + slots)
+                l_mask = (row_l < num_tokens)[None, :] & m_ok[:, None]
+            if GATHER_R:
+                row_r = tl.load(slot_token_ptr + slots)
+                r_mask = (row_r < num_tokens)[:, None] & n_ok[None, :]
         else:
-            row_l = slots
-        if GATHER_R:
-            row_r = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
-        else:
-            row_r = slots
+            k_ok = offs_k + k0 < count
+            l_mask = k_ok[None, :] & m_ok[:, None]
+            r_mask = k_ok[:, None] & n_ok[None, :]
+            if GATHER_L:
+                row_l = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
+            if GATHER_R:
+                row_r = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
         # L^T tile [BLOCK_M, BLOCK_K]: column k of it is row row_l[k] of L.
-        lt = tl.load(l_ptr + row_l.to(tl.int64)[None, :] * stride_l + offs_m[:, None],
-                     mask=k_ok[None, :] & m_ok[:, None], other=0.0)
-        r = tl.load(r_ptr + row_r.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if L_TMA:
+            lt = l_desc.load([start + k0, pid_m * BLOCK_M]).T
+        else:
+            lt = tl.load(l_ptr + row_l.to(tl.int64)[None, :] * stride_l + offs_m[:, None],
+                         mask=l_mask, other=0.0)
+        if R_TMA:
+            r = r_desc.load([start + k0, pid_n * BLOCK_N])
+        else:
+            r = tl.load(r_ptr + row_r.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
+                        mask=r_mask, other=0.0)
         acc = tl.dot(lt, r, acc)
 
     dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
@@ -116,12 +153,24 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     to it (`accumulate`)."""
     num_experts, m, n = out_EMN.shape
     cfg = cfg or wgrad_config(n, l_rows.device)
+    padded = PADDED_K and routes.block_m % cfg.block_k == 0
+    l_desc = r_desc = None
+    if padded and cfg.tma and tma.tma_available(l_rows.device):
+        # The slot-order operand (there is one: a gathered one has no rows to box) by TMA.
+        if not gather_l and tma.matrix_fits(l_rows, (cfg.block_k, cfg.block_m)):
+            l_desc = tma.descriptor(l_rows, (cfg.block_k, cfg.block_m))
+        if not gather_r and tma.matrix_fits(r_rows, (cfg.block_k, cfg.block_n)):
+            r_desc = tma.descriptor(r_rows, (cfg.block_k, cfg.block_n))
+    LAST_WGRAD_PLAN[gather_l] = (padded, l_desc is not None or r_desc is not None)
     grid = (num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _expert_wgrad_kernel[grid](
-        l_rows, r_rows, out_EMN, routes.slot_token, routes.expert_starts, routes.expert_counts,
-        m, n, l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0), out_EMN.stride(1),
-        GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        l_rows, r_rows, l_rows if l_desc is None else l_desc,
+        r_rows if r_desc is None else r_desc, out_EMN, routes.slot_token,
+        routes.expert_starts, routes.expert_counts, m, n, routes.token_slots.shape[0],
+        l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0), out_EMN.stride(1),
+        GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PADDED=padded,
+        L_TMA=l_desc is not None, R_TMA=r_desc is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out_EMN
 

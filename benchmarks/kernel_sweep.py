@@ -1,0 +1,227 @@
+"""Each expert kernel alone under candidate tile configs and variants, Qwen3 expert shape.
+
+    python3 benchmarks/kernel_sweep.py [--tokens 1024,8192,32768] [--routing uniform,skewed]
+        [--kernels fc1,fc2,dact,dx,wgrad_down,wgrad_gate_up] [--rounds 7] [--out PATH]
+
+Per (T, routing): the inputs of one layer (E = 128, k = 8, H = 2048, F = 768, bf16, weights
+N(0, 0.02), routing as benchmarks/experts.py draws it), the RouteList at the product's slot
+block, and the product's own FC1 and dA outputs (Y1, A, dY1) as every later kernel's inputs.
+Then per kernel and candidate: 10 launches into preallocated outputs captured in one CUDA
+graph, replayed `--rounds` times; the median ms per launch and TFLOP/s of useful FLOPs (no
+padding rows); whether two runs are bitwise equal (`deterministic`) and whether the output
+equals the product default's (`equal_default`, with the max |diff| otherwise). The first
+candidate of each kernel is the product's default (`default: true`). A plain torch.mm of
+[T k, H] x [H, 2F] gives the dense bf16 ceiling on the same FLOPs (`dense_mm`). The kernels'
+fallback is off, so a variant that fails is an error, not a slower figure.
+
+Writes kernel_sweep.json (--out; default $OUT/kernel_sweep.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from common import default_out, environment, error_text, write_json
+from experts import make_routing
+
+E, H, F, K = 128, 2048, 768, 8
+DEVICE = "cuda"  # tests of this script run it on the CPU (interpreter) at small sizes
+
+
+def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, bool]]:
+    """(name, GemmConfig, padded) per candidate; the product's default first."""
+    from moegraph_kernels.gemm_config import GemmConfig as G
+    d = getattr(defaults, kernel)
+    out = [("default", d, True)]
+    if kernel.startswith("wgrad"):
+        out.append(("masked", d._replace(tma=False), False))
+        long = [G(128, 128, 32, 8, 8, 5), G(128, 128, 64, 8, 8, 4), G(128, 256, 64, 8, 8, 3),
+                G(256, 128, 64, 8, 8, 3), G(128, 128, 64, 4, 8, 4), G(128, 256, 64, 4, 8, 3)]
+        short = [G(128, 128, 32, 8, 4, 2), G(128, 128, 64, 8, 4, 2), G(64, 128, 64, 8, 4, 2),
+                 G(128, 128, 64, 8, 8, 3)]
+        for t in (short if block < 128 else long):
+            out += [(f"{'x'.join(map(str, t[:6]))}", t, True),
+                    (f"{'x'.join(map(str, t[:6]))}+tma", t._replace(tma=True), True)]
+        return out
+    if kernel == "dact":
+        tiles = [d, G(block, 128, 32, 8, 8 if block >= 128 else 4, 5)]
+        variants = ("base", "tma", "persistent", "tma+persistent")
+        out.append(("64-wide+tma+persistent",
+                    G(block, 64, 64, 8, 4, 4).with_variant("tma+persistent"), True))
+    elif kernel == "dx":
+        tiles = [d, d._replace(num_stages=4)]
+        variants = ("base", "tma", "tma+persistent")
+    else:
+        return out
+    for t in tiles:
+        for v in variants:
+            c = t.with_variant(v)
+            if c != d:
+                out.append((f"{'x'.join(map(str, c[:6]))}+{v}", c, True))
+    return out
+
+
+def flops(kernel: str, routes_n: int) -> int:
+    return {"fc1": 2 * 2 * F * H, "fc2": 2 * F * H, "dact": 2 * F * H, "dx": 2 * 2 * F * H,
+            "wgrad_down": 2 * F * H, "wgrad_gate_up": 2 * 2 * F * H}[kernel] * routes_n
+
+
+def graph_ms(fn, rounds: int, launches: int = 10) -> float:
+    import torch
+    from common import capture_graph
+    if DEVICE == "cpu":
+        fn()
+        return float("nan")
+    graph = capture_graph(lambda: [fn() for _ in range(launches)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / launches)
+    return statistics.median(times)
+
+
+def setup(T: int, routing: str, skew: float):
+    import torch
+    from moegraph_cli.moe.experts import build_routes, tile_configs
+    from moegraph_kernels.dact_swiglu import dact_swiglu, dp_tiles
+    from moegraph_kernels.fc1_swiglu import fc1_swiglu
+    dev = torch.device(DEVICE)
+    bf = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    gen = torch.Generator(device=dev).manual_seed(T)
+    ids, w = make_routing(T, E, K, routing, skew, seed=0)
+    x = torch.randn(T, H, device=dev, generator=gen).to(bf)
+    w_gu = (torch.randn(E, 2 * F, H, device=dev, generator=gen) * 0.02).to(bf)
+    w_down = (torch.randn(E, H, F, device=dev, generator=gen) * 0.02).to(bf)
+    dout = torch.randn(T, H, device=dev, generator=gen).to(bf)
+    w_N = w.to(dev, bf).reshape(-1).contiguous()
+    cfg = tile_configs(T * K, E, H, F, dev)
+    routes = build_routes(ids.to(dev), w.to(dev, bf), E, cfg.route_block, None)
+    S = routes.num_slots
+    y1, act = torch.empty(S, 2 * F, device=dev, dtype=bf), torch.empty(S, F, device=dev, dtype=bf)
+    fc1_swiglu(x, w_gu, w_N, routes, y1, act, cfg.fc1)
+    dy1, act2 = torch.empty_like(y1), torch.empty_like(act)
+    dact_swiglu(dout, w_down, y1, w_N, routes, dy1, act2,
+                torch.empty(S, dp_tiles(F, cfg.dact), device=dev, dtype=torch.float32), cfg.dact)
+    return dict(x=x, w_gu=w_gu, w_down=w_down, dout=dout, w_N=w_N, routes=routes, y1=y1,
+                act=act, dy1=dy1), cfg
+
+
+def runner(kernel: str, cfg, padded: bool, t: dict):
+    """(launch, outputs): launch() runs the kernel once into the outputs."""
+    import torch
+    import moegraph_kernels.wgrad as wg
+    from moegraph_kernels.dact_swiglu import dact_swiglu, dp_tiles
+    from moegraph_kernels.fc1_swiglu import fc1_swiglu
+    from moegraph_kernels.slot_gemm import slot_gemm
+    r, S = t["routes"], t["routes"].num_slots
+    bf = t["x"].dtype
+    new = lambda *shape, dt=bf: torch.empty(shape, device=DEVICE, dtype=dt)  # noqa
+    if kernel.startswith("wgrad"):
+        down = kernel == "wgrad_down"
+        out = new(E, H, F) if down else new(E, 2 * F, H)
+        l_rows, r_rows = (t["dout"], t["act"]) if down else (t["dy1"], t["x"])
+
+        def launch():
+            wg.PADDED_K = padded
+            wg.expert_wgrad(l_rows, r_rows, r, out, down, not down, cfg)
+        return launch, [out]
+    if kernel == "fc1":
+        outs = [new(S, 2 * F), new(S, F)]
+        return lambda: fc1_swiglu(t["x"], t["w_gu"], t["w_N"], r, *outs, cfg), outs
+    if kernel == "fc2":
+        outs = [new(S, H)]
+        return lambda: slot_gemm(t["act"], t["w_down"], r, outs[0], True, cfg), outs
+    if kernel == "dact":
+        outs = [new(S, 2 * F), new(S, F), new(S, dp_tiles(F, cfg), dt=torch.float32)]
+        return lambda: dact_swiglu(t["dout"], t["w_down"], t["y1"], t["w_N"], r, *outs,
+                                   cfg), outs
+    outs = [new(S, H)]
+    return lambda: slot_gemm(t["dy1"], t["w_gu"], r, outs[0], False, cfg), outs
+
+
+def live_rows(routes):
+    return (routes.block_expert >= 0).repeat_interleave(routes.block_m)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1024,8192,32768")
+    ap.add_argument("--routing", default="uniform,skewed")
+    ap.add_argument("--skew", type=float, default=0.25)
+    ap.add_argument("--kernels", default="fc1,fc2,dact,dx,wgrad_down,wgrad_gate_up")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default=str(default_out("kernel_sweep.json")))
+    args = ap.parse_args()
+    import torch
+    import moegraph_kernels.gemm_launch as gl
+    import moegraph_kernels.wgrad as wg
+    gl.FALLBACK_ON_ERROR = False
+    padded_default = wg.PADDED_K
+    doc = {**environment(DEVICE == "cuda"), "shape": dict(E=E, H=H, F=F, k=K), "records": []}
+    for T in map(int, args.tokens.split(",")):
+        for routing in args.routing.split(","):
+            t, defaults = setup(T, routing, args.skew)
+            live = live_rows(t["routes"])
+            n = T * K
+            a, b = torch.randn(n, H, device=DEVICE).to(t["x"].dtype), \
+                torch.randn(H, 2 * F, device=DEVICE).to(t["x"].dtype)
+            dense = graph_ms(lambda: torch.mm(a, b), args.rounds)
+            doc["records"].append(dict(T=T, routing=routing, kernel="dense_mm", ms=dense,
+                                       tflops=2 * n * H * 2 * F / dense / 1e9))
+            del a, b
+            for kernel in args.kernels.split(","):
+                want = None
+                for name, cfg, padded in candidates(kernel, defaults.route_block, defaults):
+                    padded = padded and padded_default
+                    rec = dict(T=T, routing=routing, kernel=kernel, candidate=name,
+                               config=list(cfg[:6]), variant=cfg.variant, padded=padded,
+                               default=name == "default")
+                    try:
+                        launch, outs = runner(kernel, cfg, padded, t)
+                        launch()
+                        first = [o.clone() for o in outs]
+                        launch()
+                        if DEVICE == "cuda":
+                            torch.cuda.synchronize()
+                        rec["deterministic"] = all(torch.equal(x, y) for x, y in
+                                                   zip(first, outs))
+                        view = (lambda o: o) if kernel.startswith("wgrad") else \
+                            (lambda o: o[live])
+                        if want is None:
+                            want = [view(o).clone() for o in outs]
+                        diffs = [(view(o).float() - w).abs().max().item()
+                                 for o, w in zip(outs, want)]
+                        rec["equal_default"] = all(torch.equal(view(o), w)
+                                                   for o, w in zip(outs, want))
+                        rec["max_abs_diff"] = max(diffs)
+                        rec["ms"] = graph_ms(launch, args.rounds)
+                        rec["tflops"] = flops(kernel, n) / rec["ms"] / 1e9
+                        plan = gl.LAST_PLAN.get(kernel) if not kernel.startswith("wgrad") \
+                            else wg.LAST_WGRAD_PLAN.get(kernel == "wgrad_down")
+                        rec["ran"] = str(plan)
+                    except Exception as exc:  # recorded; the sweep goes on
+                        rec["error"] = error_text(exc)
+                    wg.PADDED_K = padded_default
+                    doc["records"].append(rec)
+                    write_json(args.out, doc)
+                    print(f"T={T:6d} {routing:8s} {kernel:14s} {name:34s} "
+                          f"{rec.get('ms', float('nan')):7.3f} ms "
+                          f"{rec.get('tflops', float('nan')):6.1f} TF/s "
+                          f"eq={rec.get('equal_default')} det={rec.get('deterministic')} "
+                          f"{rec.get('error', '')}", flush=True)
+            del t
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    write_json(args.out, doc)
+
+
+if __name__ == "__main__":
+    main()
