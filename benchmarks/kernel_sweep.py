@@ -8,7 +8,7 @@ N(0, 0.02), routing as benchmarks/experts.py draws it), the RouteList at the pro
 block, and the product's own FC1 and dA outputs (Y1, A, dY1) as every later kernel's inputs.
 Then per kernel and candidate: 10 launches into preallocated outputs captured in one CUDA
 graph, replayed `--rounds` times; the median ms per launch and TFLOP/s of useful FLOPs (no
-padding rows); whether two runs are bitwise equal (`deterministic`) and whether the output
+padding rows); whether two runs are bitwise equal on the rows it writes (`deterministic`) and whether the output
 equals the product default's (`equal_default`, with the max |diff| otherwise). The first
 candidate of each kernel is the product's default (`default: true`). A plain torch.mm of
 [T k, H] x [H, 2F] gives the dense bf16 ceiling on the same FLOPs (`dense_mm`). The kernels'
@@ -43,6 +43,9 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         for t in (short if block < 128 else long):
             out += [(f"{'x'.join(map(str, t[:6]))}", t, True),
                     (f"{'x'.join(map(str, t[:6]))}+tma", t._replace(tma=True), True)]
+        # Not a product path: the gathered operand copied to slot order, then torch's
+        # K-grouped _grouped_mm over the padded segments (the copy is timed with it).
+        out.append(("grouped_mm", d._replace(tma=False), False))
         return out
     if kernel == "dact":
         tiles = [d, G(block, 128, 32, 8, 8 if block >= 128 else 4, 5)]
@@ -113,7 +116,7 @@ def setup(T: int, routing: str, skew: float):
                 act=act, dy1=dy1), cfg
 
 
-def runner(kernel: str, cfg, padded: bool, t: dict):
+def runner(kernel: str, name: str, cfg, padded: bool, t: dict):
     """(launch, outputs): launch() runs the kernel once into the outputs."""
     import torch
     import moegraph_kernels.wgrad as wg
@@ -127,6 +130,9 @@ def runner(kernel: str, cfg, padded: bool, t: dict):
         down = kernel == "wgrad_down"
         out = new(E, H, F) if down else new(E, 2 * F, H)
         l_rows, r_rows = (t["dout"], t["act"]) if down else (t["dy1"], t["x"])
+
+        if name == "grouped_mm":
+            return grouped_mm_wgrad(l_rows, r_rows, r, out, down), [out]
 
         def launch():
             wg.PADDED_K = padded
@@ -144,6 +150,24 @@ def runner(kernel: str, cfg, padded: bool, t: dict):
                                    cfg), outs
     outs = [new(S, H)]
     return lambda: slot_gemm(t["dy1"], t["w_gu"], r, outs[0], False, cfg), outs
+
+
+def grouped_mm_wgrad(l_rows, r_rows, routes, out, gather_l: bool):
+    """launch() for dW by torch._grouped_mm: out[e] = L[seg e]^T R[seg e] over the padded
+    segments, the gathered operand first copied to slot order (a zero row for padding)."""
+    import torch
+    counts = routes.expert_counts.long()
+    ends = (routes.expert_starts.long() + (counts + routes.block_m - 1) // routes.block_m
+            * routes.block_m).to(torch.int32)
+    gathered = l_rows if gather_l else r_rows
+    padded = torch.cat([gathered, gathered.new_zeros(1, gathered.shape[1])])
+    tok = routes.slot_token.long().clamp(max=gathered.shape[0])
+
+    def launch():
+        rows = padded.index_select(0, tok)
+        a, b = (rows, r_rows) if gather_l else (l_rows, rows)
+        out.copy_(torch._grouped_mm(a.t(), b, offs=ends))
+    return launch
 
 
 def live_rows(routes):
@@ -185,16 +209,17 @@ def main() -> None:
                                config=list(cfg[:6]), variant=cfg.variant, padded=padded,
                                default=name == "default")
                     try:
-                        launch, outs = runner(kernel, cfg, padded, t)
+                        launch, outs = runner(kernel, name, cfg, padded, t)
                         launch()
                         first = [o.clone() for o in outs]
                         launch()
                         if DEVICE == "cuda":
                             torch.cuda.synchronize()
-                        rec["deterministic"] = all(torch.equal(x, y) for x, y in
-                                                   zip(first, outs))
+                        # Slot outputs: the live rows (dead blocks are never written).
                         view = (lambda o: o) if kernel.startswith("wgrad") else \
                             (lambda o: o[live])
+                        rec["deterministic"] = all(torch.equal(view(x), view(y)) for x, y in
+                                                   zip(first, outs))
                         if want is None:
                             want = [view(o).clone() for o in outs]
                         diffs = [(view(o).float() - w).abs().max().item()

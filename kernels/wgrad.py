@@ -72,13 +72,21 @@ def wgrad_config(n: int, device: torch.device,
     if routes_per_expert is not None and routes_per_expert <= 128:
         # Two K iterations an expert at T = 1024: a deep pipeline only costs shared memory
         # and occupancy. The H200 sweep (results/wgrad_sweep.json): both dW kernels of a
-        # Qwen3-30B layer 0.645 ms at the long-loop tile below, 0.560 ms at this one.
-        return SHORT_OVERRIDE or GemmConfig(128, 128, 32, 8, 4, 2)
-    # 128 x 128 x 32, 5 stages: 16 KB/stage, 80 KB of shared memory; short K loops (an
-    # expert's slot count) favour a moderate tile. The H200 sweep (benchmarks/moe_experts.py
-    # --sweep) put it ahead of K tile 64 x 4 stages for both weights (335 vs 329 TFLOP/s).
+        # Qwen3-30B layer 0.645 ms at the long-loop tile below, 0.560 ms at 128 x 128 x 32,
+        # 4 warps, 2 stages; then a K tile of 64 and the slot-order operand by TMA
+        # (results/kernel_sweep_ends.json, T = 1024): 0.191 -> 0.181 ms (dW_down) and
+        # 0.369 -> 0.354 ms (dW_gate_up).
+        return SHORT_OVERRIDE or GemmConfig(128, 128, 64, 8, 4, 2, tma=True)
     block_n = 128 if n % 128 == 0 or n > 256 else 64
-    return GemmConfig(128, block_n, 32, 8, 8 if block_n == 128 else 4, 5)
+    if block_n == 128:
+        # 128 x 128 x 64, 4 stages, group 4, the slot-order operand by TMA: H200 sweep
+        # (benchmarks/kernel_sweep.py, Qwen3 shape; results/kernel_sweep_8192.json and
+        # kernel_sweep_ends.json) against the former 128 x 128 x 32 x 5-stage pointer tile,
+        # dW_gate_up 1.167 / 1.201 / 3.992 -> 1.093 / 1.126 / 3.783 ms (T = 8192 uniform,
+        # skewed; 32768), dW_down 0.604 / 0.617 / 2.046 -> 0.609 / 0.614 / 1.996 ms.
+        return GemmConfig(128, 128, 64, 4, 8, 4, tma=True)
+    # Narrow weights: 128 x 64 x 32, 5 stages (the sweep of benchmarks/moe_experts.py).
+    return GemmConfig(128, block_n, 32, 8, 4, 5)
 
 
 @triton.jit

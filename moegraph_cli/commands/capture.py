@@ -19,6 +19,7 @@ from ..distributed.context import place, ticker
 from ..distributed.overflow import overflow_report
 from .preflight import check_inputs
 from ..report.render import Progress
+from ..train.allocator import eager_segments
 from ..train.runspec import RunSpec, build_model, pick_device
 from ..train.trainer import batches
 
@@ -49,8 +50,10 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
         tick = ticker(bar, rt)
         reset_peaks()
         dropped_routes(model, reset=True)
-        eager = timed_steps(trainer, it, steps, warmup, on_step=tick)
-        eager.update(peaks())
+        with eager_segments() as expandable:
+            eager = timed_steps(trainer, it, steps, warmup, on_step=tick)
+            eager.update(peaks())
+        eager["expandable_segments"] = expandable
         eager["dropped_routes"] = dropped_routes(model, reset=True)
         eager.update(overflow_report(trainer))
         del eager["all_ms"]

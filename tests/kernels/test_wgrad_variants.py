@@ -119,7 +119,7 @@ GPU_SHAPES = [  # (routing, T, k, E, H, F)
     ("sparse_experts", 2048, 8, 33, 1024, 384),  # empty experts, 128-row route blocks
     ("zipf", 8192, 8, 128, 2048, 768),  # the Qwen3 shape at load, skewed
 ]
-GPU_TILES = [GemmConfig(128, 128, 32, 8, 8, 5), GemmConfig(128, 128, 64, 8, 8, 4),
+GPU_TILES = [GemmConfig(128, 128, 32, 8, 8, 5), GemmConfig(128, 128, 64, 4, 8, 4),
              GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 2)]
 
 
