@@ -92,7 +92,7 @@ def wgrad_config(n: int, device: torch.device,
 @triton.jit
 def _expert_wgrad_kernel(
     l_ptr, r_ptr, l_desc, r_desc, dw_ptr, slot_token_ptr, expert_start_ptr, expert_count_ptr,
-    M, N, num_tokens, stride_l, stride_r, stride_dwe, stride_dwm,
+    M, N, num_tokens, num_slots, stride_l, stride_r, stride_dwe, stride_dwm,
     GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
@@ -111,6 +111,12 @@ def _expert_wgrad_kernel(
     n_ok = offs_n < N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PADDED:
+        # The gathered operand's token ids, loaded one K step ahead (loop-carried): the
+        # pipeliner then keeps num_stages buffers in flight, where an id load feeding its
+        # row load in the same step leaves it about half as many.
+        tok_next = tl.load(slot_token_ptr + start + offs_k, mask=start + offs_k < num_slots,
+                           other=num_tokens)
     for k0 in range(0, count, BLOCK_K):
         slots = start + k0 + offs_k
         row_l = slots
@@ -119,14 +125,17 @@ def _expert_wgrad_kernel(
             # The K tile stays inside the expert's live blocks (BLOCK_K divides the route
             # block): slots past the count are padding, zeros in a slot-order operand and
             # masked by their sentinel token in a gathered one.
+            tok = tok_next
+            tok_next = tl.load(slot_token_ptr + slots + BLOCK_K,
+                               mask=slots + BLOCK_K < num_slots, other=num_tokens)
             l_mask = m_ok[:, None]
             r_mask = n_ok[None, :]
             if GATHER_L:
-                row_l = tl.load(slot_token_ptr + slots)
-                l_mask = (row_l < num_tokens)[None, :] & m_ok[:, None]
+                row_l = tok
+                l_mask = (tok < num_tokens)[None, :] & m_ok[:, None]
             if GATHER_R:
-                row_r = tl.load(slot_token_ptr + slots)
-                r_mask = (row_r < num_tokens)[:, None] & n_ok[None, :]
+                row_r = tok
+                r_mask = (tok < num_tokens)[:, None] & n_ok[None, :]
         else:
             k_ok = offs_k + k0 < count
             l_mask = k_ok[None, :] & m_ok[:, None]
@@ -175,7 +184,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
         l_rows, r_rows, l_rows if l_desc is None else l_desc,
         r_rows if r_desc is None else r_desc, out_EMN, routes.slot_token,
         routes.expert_starts, routes.expert_counts, m, n, routes.token_slots.shape[0],
-        l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0), out_EMN.stride(1),
+        routes.num_slots, l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0), out_EMN.stride(1),
         GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PADDED=padded,
         L_TMA=l_desc is not None, R_TMA=r_desc is not None, num_warps=cfg.num_warps,
