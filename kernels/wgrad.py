@@ -61,32 +61,36 @@ PADDED_K = flag_from_env("MOEGRAPH_WGRAD_PADDED", True)
 LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool]] = {}
 
 
-def wgrad_config(n: int, device: torch.device,
-                 routes_per_expert: float | None = None) -> GemmConfig:
+def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None = None,
+                 slot_order_l: bool = False) -> GemmConfig:
     """The dW tile for an N-wide weight. `routes_per_expert` (T * k / E, known on the host)
     says how long the K loops are: at most 128 slots an expert is the short-loop regime,
     with its own tile, which `MOEGRAPH_WGRAD_SHORT` ("bm,bn,bk,group,warps,stages", what
-    benchmarks/wgrad_sweep.py prints) overrides."""
+    benchmarks/kernel_sweep.py names) overrides. `slot_order_l`: L is the slot-order operand
+    (dW_gate_up: L = dY1) rather than R (dW_down: R = A); that side gets the tile's 256."""
     if device.type != "cuda":
         return GemmConfig(32, 32, 16, 4, 4, 1)
     if routes_per_expert is not None and routes_per_expert <= 128:
         # Two K iterations an expert at T = 1024: a deep pipeline only costs shared memory
-        # and occupancy. The H200 sweep (results/wgrad_sweep.json): both dW kernels of a
-        # Qwen3-30B layer 0.645 ms at the long-loop tile below, 0.560 ms at 128 x 128 x 32,
-        # 4 warps, 2 stages; then a K tile of 64 and the slot-order operand by TMA
-        # (results/kernel_sweep_ends.json, T = 1024): 0.191 -> 0.181 ms (dW_down) and
-        # 0.369 -> 0.354 ms (dW_gate_up).
+        # and occupancy. H200 sweeps: 0.645 ms for both dW kernels of a Qwen3-30B layer at
+        # a 5-stage tile, 0.560 ms at 128 x 128 x 32, 4 warps, 2 stages
+        # (results/wgrad_sweep.json); then a K tile of 64 and the slot-order operand by TMA,
+        # with the token ids a step ahead: 0.184 / 0.428 -> 0.178 / 0.346 ms (dW_down /
+        # dW_gate_up, results/kernel_sweep_ends_ahead.json, T = 1024).
         return SHORT_OVERRIDE or GemmConfig(128, 128, 64, 8, 4, 2, tma=True)
-    block_n = 128 if n % 128 == 0 or n > 256 else 64
-    if block_n == 128:
-        # 128 x 128 x 64, 4 stages, group 4, the slot-order operand by TMA: H200 sweep
-        # (benchmarks/kernel_sweep.py, Qwen3 shape; results/kernel_sweep_8192.json and
-        # kernel_sweep_ends.json) against the former 128 x 128 x 32 x 5-stage pointer tile,
-        # dW_gate_up 1.167 / 1.201 / 3.992 -> 1.093 / 1.126 / 3.783 ms (T = 8192 uniform,
-        # skewed; 32768), dW_down 0.604 / 0.617 / 2.046 -> 0.609 / 0.614 / 1.996 ms.
-        return GemmConfig(128, 128, 64, 4, 8, 4, tma=True)
+    if n % 128 == 0 or n > 256:
+        # 256 x 128 (128 x 256 for dW_down) x 64, 3 stages (144 KB), the slot-order operand
+        # by TMA across the 256, the token ids a step ahead: H200 sweep
+        # (benchmarks/kernel_sweep.py, Qwen3 shape, results/kernel_sweep_8192_ahead.json and
+        # kernel_sweep_ends_ahead.json) dW_gate_up 0.997 / 1.044 / 3.288 ms (T = 8192
+        # uniform, skewed; 32768), dW_down 0.500 / 0.507 / 1.554 ms, against 1.243 / 1.240
+        # / 4.316 and 0.606 / 0.616 / 2.136 ms for the masked 128 x 128 x 32 x 5-stage
+        # pointer tile of before (its `masked` rows in kernel_sweep_8192.json and
+        # kernel_sweep_ends.json). At 128 x 128 x 64, four stages ran slower than three.
+        wide = GemmConfig(256, 128, 64, 4, 8, 3, tma=True)
+        return wide if slot_order_l else wide._replace(block_m=128, block_n=256)
     # Narrow weights: 128 x 64 x 32, 5 stages (the sweep of benchmarks/moe_experts.py).
-    return GemmConfig(128, block_n, 32, 8, 4, 5)
+    return GemmConfig(128, 64, 32, 8, 4, 5)
 
 
 @triton.jit

@@ -93,7 +93,8 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
         dact=dact_config(ffn, block, device),
         dx=slot_gemm_config(hidden, block, device),
         wgrad_down=wgrad_config(ffn, device, num_routes / num_experts),
-        wgrad_gate_up=wgrad_config(hidden, device, num_routes / num_experts),
+        wgrad_gate_up=wgrad_config(hidden, device, num_routes / num_experts,
+                                   slot_order_l=True),
     )
     if device.type != "cuda":
         return cfg

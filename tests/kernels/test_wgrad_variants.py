@@ -119,8 +119,8 @@ GPU_SHAPES = [  # (routing, T, k, E, H, F)
     ("sparse_experts", 2048, 8, 33, 1024, 384),  # empty experts, 128-row route blocks
     ("zipf", 8192, 8, 128, 2048, 768),  # the Qwen3 shape at load, skewed
 ]
-GPU_TILES = [GemmConfig(128, 128, 32, 8, 8, 5), GemmConfig(128, 128, 64, 4, 8, 4),
-             GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 2)]
+GPU_TILES = [GemmConfig(128, 128, 32, 8, 8, 5), GemmConfig(256, 128, 64, 4, 8, 3),
+             GemmConfig(128, 256, 64, 4, 8, 3), GemmConfig(128, 128, 64, 8, 4, 2)]
 
 
 @pytest.mark.cuda
