@@ -141,3 +141,15 @@ def test_cuda_padded_and_tma_variants_are_bitwise_equal(case, tile, monkeypatch)
             assert (g[empty] == 0).all(), name
             assert torch.equal(g, w), (
                 f"{name} tma={tma}: max |diff| {(g.float() - w.float()).abs().max().item():.3e}")
+
+
+@pytest.mark.parametrize("T", [8192, 32768])
+def test_the_long_loop_tile_puts_its_256_on_the_slot_order_operand(T):
+    from moegraph_cli.moe.experts import tile_configs
+    cfg = tile_configs(T * 8, 128, 2048, 768, torch.device("cuda"))
+    # dW_gate_up: L = dY1 in slot order (M side); dW_down: R = A in slot order (N side).
+    assert (cfg.wgrad_gate_up.block_m, cfg.wgrad_gate_up.block_n) == (256, 128)
+    assert (cfg.wgrad_down.block_m, cfg.wgrad_down.block_n) == (128, 256)
+    assert cfg.wgrad_gate_up.tma and cfg.wgrad_down.tma
+    short = tile_configs(1024 * 8, 128, 2048, 768, torch.device("cuda"))
+    assert short.wgrad_gate_up == short.wgrad_down  # the short-loop tile, both weights
