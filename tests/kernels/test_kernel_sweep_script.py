@@ -1,0 +1,30 @@
+"""benchmarks/kernel_sweep.py end to end on the CPU (interpreter, fp32, a small shape), so
+the script keeps up with the kernels' signatures: every record of the product's default and
+of the grouped_mm dW comparison is written, deterministic and equal where it must be."""
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_kernel_sweep_runs_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import kernel_sweep as ks
+    monkeypatch.setattr(ks, "DEVICE", "cpu")
+    for name, v in (("E", 6), ("H", 32), ("F", 16), ("K", 2)):
+        monkeypatch.setattr(ks, name, v)
+    out = tmp_path / "ks.json"
+    monkeypatch.setattr(sys, "argv", ["kernel_sweep.py", "--tokens", "24", "--routing", "skewed",
+                                      "--kernels", "dx,wgrad_down,wgrad_gate_up",
+                                      "--candidates", "grouped_mm", "--out", str(out)])
+    ks.main()
+    recs = [r for r in json.loads(out.read_text())["records"] if "kernel" in r
+            and r["kernel"] != "dense_mm"]
+    assert {(r["kernel"], r["candidate"]) for r in recs} == {
+        ("dx", "default"), ("wgrad_down", "default"), ("wgrad_down", "grouped_mm"),
+        ("wgrad_gate_up", "default"), ("wgrad_gate_up", "grouped_mm")}
+    for r in recs:
+        assert "error" not in r, r
+        assert r["deterministic"] and r["equal_default"], r
