@@ -12,6 +12,12 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 def test_kernel_sweep_runs_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     import kernel_sweep as ks
+    import moegraph_kernels.gemm_launch as gl
+    import moegraph_kernels.wgrad as wg
+    # The script switches the kernels' fallback off and sets the dW loop per candidate: put
+    # both back after the test, whatever it does.
+    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", gl.FALLBACK_ON_ERROR)
+    monkeypatch.setattr(wg, "PADDED_K", wg.PADDED_K)
     monkeypatch.setattr(ks, "DEVICE", "cpu")
     for name, v in (("E", 6), ("H", 32), ("F", 16), ("K", 2)):
         monkeypatch.setattr(ks, name, v)
