@@ -9,9 +9,10 @@ N(0, 0.02), routing as benchmarks/experts.py draws it), the RouteList at the pro
 block, and the product's own FC1 and dA outputs (Y1, A, dY1) as every later kernel's inputs.
 Then per kernel and candidate: 10 launches into preallocated outputs captured in one CUDA
 graph, replayed `--rounds` times; the median ms per launch and TFLOP/s of useful FLOPs (no
-padding rows); whether two runs are bitwise equal on the rows it writes (`deterministic`) and whether the output
-equals the product default's (`equal_default`, with the max |diff| otherwise). The first
-candidate of each kernel is the product's default (`default: true`). A plain torch.mm of
+padding rows); whether two runs are bitwise equal on the rows it writes (`deterministic`)
+and whether the output equals the product default's (`equal_default`, with the max |diff|
+otherwise). The first candidate of each kernel is the product's default (`default: true`). A
+plain torch.mm of
 [T k, H] x [H, 2F] gives the dense bf16 ceiling on the same FLOPs (`dense_mm`). The kernels'
 fallback is off, so a variant that fails is an error, not a slower figure.
 
@@ -194,6 +195,7 @@ def main() -> None:
     import moegraph_kernels.wgrad as wg
     gl.FALLBACK_ON_ERROR = False
     padded_default = wg.PADDED_K
+    only = set(filter(None, args.candidates.split(",")))
     doc = {**environment(DEVICE == "cuda"), "shape": dict(E=E, H=H, F=F, k=K), "records": []}
     for T in map(int, args.tokens.split(",")):
         for routing in args.routing.split(","):
@@ -208,7 +210,6 @@ def main() -> None:
             del a, b
             for kernel in args.kernels.split(","):
                 want = None
-                only = set(filter(None, args.candidates.split(",")))
                 for name, cfg, padded in candidates(kernel, defaults.route_block, defaults):
                     if only and name not in only and name != "default":
                         continue
