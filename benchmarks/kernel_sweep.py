@@ -12,9 +12,9 @@ graph, replayed `--rounds` times; the median ms per launch and TFLOP/s of useful
 padding rows); whether two runs are bitwise equal on the rows it writes (`deterministic`)
 and whether the output equals the product default's (`equal_default`, with the max |diff|
 otherwise). The first candidate of each kernel is the product's default (`default: true`). A
-plain torch.mm of
-[T k, H] x [H, 2F] gives the dense bf16 ceiling on the same FLOPs (`dense_mm`). The kernels'
-fallback is off, so a variant that fails is an error, not a slower figure.
+plain torch.mm of [T k, H] x [H, 2F] gives the dense bf16 ceiling on the same FLOPs
+(`dense_mm`). The kernels' fallback is off, so a variant that fails is an error, not a slower
+figure.
 
 Writes kernel_sweep.json (--out; default $OUT/kernel_sweep.json).
 """
