@@ -159,8 +159,9 @@ def capture_graph(fn):
     return graph
 
 
-def kernel_ms(fn) -> dict[str, float]:
-    """GPU ms per kernel name over one call of fn (torch.profiler), largest first."""
+def kernel_ms(fn, width: int = 90) -> dict[str, float]:
+    """GPU ms per kernel name (its first `width` characters) over one call of fn
+    (torch.profiler), largest first."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -173,7 +174,7 @@ def kernel_ms(fn) -> dict[str, float]:
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             us = e.device_time if hasattr(e, "device_time") else e.cuda_time
-            table[e.name[:90]] = table.get(e.name[:90], 0.0) + us / 1e3
+            table[e.name[:width]] = table.get(e.name[:width], 0.0) + us / 1e3
     return dict(sorted(table.items(), key=lambda kv: -kv[1]))
 
 

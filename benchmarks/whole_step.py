@@ -3,7 +3,8 @@ graph, split by part, against transformers' own step with and without torch.comp
 
     python3 benchmarks/whole_step.py [--only tiny-qwen3-moe,qwen3-30b-a3b-4layer]
         [--steps 20] [--warmup 3] [--transformers eager,compile] [--hf-experts grouped_mm]
-        [--ops 30] [--no-verify] [--set SECTION.FIELD=VALUE ...] [--out PATH]
+        [--ops 30] [--graph-modes "attn,moe;step"] [--kernels N] [--no-verify]
+        [--set SECTION.FIELD=VALUE ...] [--out PATH]
 
 A step is forward, backward and the AdamW update on the profile's synthetic batches. Per
 profile, in one process and on one model (moegraph_cli.train.harness, what `moegraph capture`
@@ -64,14 +65,21 @@ def part_of(name: str) -> str:
     return "other"
 
 
-def breakdown(step) -> dict:
-    """GPU ms of one step by part, and its 15 largest kernels."""
-    kernels = kernel_ms(step)
+def breakdown(step, per_part: int = 0) -> dict:
+    """GPU ms of one step by part, its 15 largest kernels and, with `per_part`, the largest
+    `per_part` kernels of each part."""
+    kernels = kernel_ms(step, 240 if per_part else 90)
     parts: dict[str, float] = {}
+    by_part: dict[str, dict[str, float]] = {}
     for name, ms in kernels.items():
         parts[part_of(name)] = parts.get(part_of(name), 0.0) + ms
-    return {"parts_ms": parts, "gpu_ms": sum(parts.values()),
-            "top_kernels_ms": dict(list(kernels.items())[:15])}
+        by_part.setdefault(part_of(name), {})[name] = ms
+    out = {"parts_ms": parts, "gpu_ms": sum(parts.values()),
+           "top_kernels_ms": dict(list(kernels.items())[:15])}
+    if per_part:
+        out["part_kernels_ms"] = {p: dict(list(k.items())[:per_part])
+                                  for p, k in by_part.items()}
+    return out
 
 
 def op_table(step, top: int) -> list[dict]:
@@ -94,13 +102,13 @@ def op_table(step, top: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["self_cuda_ms"])[:top]
 
 
-def phase(trainer, it, steps, warmup, ops=0) -> dict:
+def phase(trainer, it, steps, warmup, ops=0, per_part=0) -> dict:
     from moegraph_cli.train.harness import peaks, reset_peaks, timed_steps
     reset_peaks()
     t = timed_steps(trainer, it, steps, warmup)
     t.update(peaks())
     del t["all_ms"]
-    t["breakdown"] = breakdown(lambda: trainer.step(next(it)))
+    t["breakdown"] = breakdown(lambda: trainer.step(next(it)), per_part)
     if ops:
         t["ops"] = op_table(lambda: trainer.step(next(it)), ops)
     return t
@@ -120,8 +128,10 @@ def run_moegraph(name: str, args) -> dict:
     model = build_model(spec, dev)
     trainer = GraphTrainer(model, run.lr, run.weight_decay)
     it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, dev)
-    rec["eager"] = phase(trainer, it, args.steps, args.warmup, args.ops)
+    rec["eager"] = phase(trainer, it, args.steps, args.warmup, args.ops, args.kernels)
     for label, scopes in (("attn,moe", ["attn", "moe"]), ("step", ["step"])):
+        if label not in args.modes:
+            continue
         torch.cuda.empty_cache()
         session = build_session(model, scopes, "shared", trainer=trainer)
         ok = capture_into(model, session, next(it))
@@ -129,7 +139,7 @@ def run_moegraph(name: str, args) -> dict:
         r = {"captured": ok, "failure": session.failure}
         if ok:
             torch.cuda.empty_cache()
-            r.update(phase(trainer, it, args.steps, args.warmup))
+            r.update(phase(trainer, it, args.steps, args.warmup, 0, args.kernels))
             r["pools"] = session.pools()
             r["counters"] = session.stats()["totals"]
             r["speedup_vs_eager"] = rec["eager"]["step_ms"] / r["step_ms"]
@@ -286,6 +296,11 @@ def main() -> None:
                     help="transformers' experts_implementation (grouped_mm, eager, ...)")
     ap.add_argument("--hf-timeout", type=int, default=900, help="seconds per variant")
     ap.add_argument("--ops", type=int, default=30, help="aten ops of the eager step (0: off)")
+    ap.add_argument("--graph-modes", default="attn,moe;step", dest="modes",
+                    help="graph modes to run after eager, ';'-separated: attn,moe and step "
+                         "(empty: eager only)")
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="record the largest N kernels of each part (0: off)")
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     ap.add_argument("--out", default=str(default_out("whole_step.json")))
@@ -293,6 +308,10 @@ def main() -> None:
     ap.add_argument("--hf-compile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.modes = [m for m in args.modes.split(";") if m]
+    bad = set(args.modes) - {"attn,moe", "step"}
+    if bad:
+        ap.error(f"--graph-modes: unknown mode {sorted(bad)[0]!r} (attn,moe; step)")
     if args.hf_worker:
         return hf_worker(args)
     import torch
