@@ -163,10 +163,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def num_partials(device: torch.device, n_blocks: int) -> int:
-    """Programs (= fp32 dW partial rows) of a backward over n_blocks row blocks."""
+def num_partials(device: torch.device, n_blocks: int, per_sm: int | None = None) -> int:
+    """Programs (= fp32 dW partial rows) of a backward over n_blocks row blocks: `per_sm`
+    (default PARTIALS_PER_SM) per SM on a GPU, at most n_blocks."""
     if device.type == "cuda":
-        cap = PARTIALS_PER_SM * _sm_count(device.index if device.index is not None
+        cap = (per_sm or PARTIALS_PER_SM) * _sm_count(device.index if device.index is not None
                                           else torch.cuda.current_device())
     else:
         cap = PARTIALS_CPU

@@ -24,7 +24,11 @@ Layout contract:
   [B*S, N*D] viewed as heads). D even, half = D / 2 need not be a power of two (masked).
 - cos, sin [>= S, D], last-dimension stride 1, one row stride; row s is position s. x, cos,
   sin and the norm weight [D] share one dtype (fp32, bf16 or fp16).
-- y [B, N, S, D] contiguous: the layout SDPA reads, so no transpose copy is needed.
+- y [B, N, S, D] as SDPA reads it, in one of two memory layouts (`layout`): "bnsd", contiguous;
+  or "bsnd", the [B, N, S, D] view of a contiguous [B, S, N, D] tensor (the projection's row
+  order: the stores are as coalesced as the loads, SDPA's cuDNN and flash kernels give their
+  output, and the gradient, in that layout, so the output projection reads the attention
+  output with no transpose copy either way).
 - rstd [B*S*N] fp32 (norm only), every element written.
 - dy [B, N, S, D] with last-dimension stride 1 and any other strides; dx [B, S, N, D]
   contiguous (a view of [B*S, N*D], the projection output's layout).
@@ -39,14 +43,20 @@ import triton.language as tl
 
 from .rmsnorm import num_partials, reduce_dw, round_to, scratch
 
-ROWS_PER_TILE = 16  # rows (one head of one token each) per program tile
+ROWS_PER_TILE = 16  # rows (one head of one token each) per forward program tile
+LAYOUTS = ("bnsd", "bsnd")
+# The backward's row blocks and programs: each program loops over its blocks in a fixed order
+# (the dW partials' sum order), so several programs per SM keep enough loads in flight.
+BWD_ROWS = 32
+BWD_PROGRAMS_PER_SM = 8
 
 
 @triton.jit
 def _rope_fwd_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr,
     n_rows, S, N, half, D, stride_xb, stride_xs, stride_xn, stride_cs, eps, inv_d,
-    HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_NORM: tl.constexpr, OUT_BSND: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     DT: tl.constexpr = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, s, n), n fastest
@@ -77,7 +87,10 @@ def _rope_fwd_kernel(
     s2 = tl.load(sin_ptr + cs_row + half, mask=mask, other=0.0).to(tl.float32)
     y1 = round_to(x1 * c1, DT) + round_to(-x2 * s1, DT)
     y2 = round_to(x2 * c2, DT) + round_to(x1 * s2, DT)
-    y_row = y_ptr + (((b * N + n) * S + s) * D)[:, None] + cols[None, :]
+    if OUT_BSND:
+        y_row = y_ptr + (rows64 * D)[:, None] + cols[None, :]
+    else:
+        y_row = y_ptr + (((b * N + n) * S + s) * D)[:, None] + cols[None, :]
     tl.store(y_row, y1.to(DT), mask=mask)
     tl.store(y_row + half, y2.to(DT), mask=mask)
 
@@ -171,13 +184,19 @@ def _check_tables(shape_BSND, dtype: torch.dtype, cos_SD: torch.Tensor, sin_SD: 
 
 
 def rope_forward(x_BSND: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
-                 weight: torch.Tensor | None = None, eps: float = 1e-6
+                 weight: torch.Tensor | None = None, eps: float = 1e-6, layout: str = "bnsd"
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(y [B, N, S, D] contiguous, rstd [B*S*N] fp32 or None): rope of x, after an RMSNorm
+    """(y [B, N, S, D] in `layout`, rstd [B*S*N] fp32 or None): rope of x, after an RMSNorm
     over each head with `weight` when given; see the module docstring."""
     _check(x_BSND, cos_SD, sin_SD, weight)
+    if layout not in LAYOUTS:
+        raise ValueError(f"rope: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     B, S, N, D = x_BSND.shape
-    y = torch.empty((B, N, S, D), dtype=x_BSND.dtype, device=x_BSND.device)
+    if layout == "bsnd":
+        y = torch.empty((B, S, N, D), dtype=x_BSND.dtype,
+                        device=x_BSND.device).transpose(1, 2)
+    else:
+        y = torch.empty((B, N, S, D), dtype=x_BSND.dtype, device=x_BSND.device)
     n_rows = B * S * N
     rstd = None if weight is None else torch.empty(n_rows, dtype=torch.float32,
                                                      device=x_BSND.device)
@@ -189,7 +208,8 @@ def rope_forward(x_BSND: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tenso
         x_BSND, weight if weight is not None else cos_SD, cos_SD, sin_SD, y,
         rstd if rstd is not None else y, n_rows, S, N, half, D,
         x_BSND.stride(0), x_BSND.stride(1), x_BSND.stride(2), cos_SD.stride(0),
-        float(eps), 1.0 / D, HAS_NORM=weight is not None, BLOCK_R=ROWS_PER_TILE,
+        float(eps), 1.0 / D, HAS_NORM=weight is not None, OUT_BSND=layout == "bsnd",
+        BLOCK_R=ROWS_PER_TILE,
         BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False)
     return y, rstd
 
@@ -231,15 +251,15 @@ def rope_backward(dy_BNSD: torch.Tensor, x_BSND: torch.Tensor | None, cos_SD: to
         return dx, None
     half = D // 2
     block_h = triton.next_power_of_2(half)
-    n_blocks = triton.cdiv(n_rows, ROWS_PER_TILE)
-    n_parts = num_partials(dx.device, n_blocks) if need_dw else n_blocks
+    n_blocks = triton.cdiv(n_rows, BWD_ROWS)
+    n_parts = num_partials(dx.device, n_blocks, BWD_PROGRAMS_PER_SM) if need_dw else n_blocks
     part = scratch((n_parts, D), dx.device) if need_dw else dx  # dx: an unused pointer
     _rope_bwd_kernel[(n_parts,)](
         dy_BNSD, x_BSND, weight if has_norm else cos_SD, rstd if has_norm else dx,
         cos_SD, sin_SD, dx, part, n_rows, S, N, half, D,
         dy_BNSD.stride(0), dy_BNSD.stride(1), dy_BNSD.stride(2),
         x_BSND.stride(0), x_BSND.stride(1), x_BSND.stride(2), cos_SD.stride(0), 1.0 / D,
-        n_blocks, HAS_NORM=has_norm, HAS_DW=need_dw, BLOCK_R=ROWS_PER_TILE, BLOCK_H=block_h,
+        n_blocks, HAS_NORM=has_norm, HAS_DW=need_dw, BLOCK_R=BWD_ROWS, BLOCK_H=block_h,
         num_warps=4, enable_fp_fusion=False)
     if not need_dw:
         return dx, None

@@ -70,6 +70,25 @@ def test_rope_alone_is_bitwise_torchs(B, S, N, D):
 
 
 @pytest.mark.parametrize("B,S,N,D", SHAPES)
+def test_bsnd_layout_holds_the_same_values(B, S, N, D):
+    """layout="bsnd": the same y, as the [B, N, S, D] view of a contiguous [B, S, N, D]."""
+    x, cos, sin, w, _ = _inputs(B, S, N, D, seed=S * N)
+    for weight in (None, w):
+        want, rstd_want = K.rope_forward(x, cos, sin, weight, EPS)
+        got, rstd = K.rope_forward(x, cos, sin, weight, EPS, layout="bsnd")
+        assert got.shape == (B, N, S, D) and got.transpose(1, 2).is_contiguous()
+        assert torch.equal(got, want)
+        assert (rstd is None) == (weight is None)
+        assert rstd is None or torch.equal(rstd, rstd_want)
+
+
+def test_unknown_layout_is_refused():
+    x, cos, sin, _, _ = _inputs(1, 2, 1, 4)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        K.rope_forward(x, cos, sin, layout="bshd")
+
+
+@pytest.mark.parametrize("B,S,N,D", SHAPES)
 def test_norm_then_rope_matches_reference_autograd(B, S, N, D):
     x, cos, sin, w, dy = _inputs(B, S, N, D, seed=S + D)
     y_ref, dx_ref, dw_ref = _reference(x, cos, sin, w, dy)

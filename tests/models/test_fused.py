@@ -60,6 +60,32 @@ def test_fused_path_matches_torch_path(profile, extra, sinks, monkeypatch):
         torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-5, msg=n)
 
 
+@pytest.mark.parametrize("profile,extra", FAMILIES[:2])
+def test_bnsd_rope_layout_matches_torch_path(profile, extra, monkeypatch):
+    """The rope's other output layout (MOEGRAPH_ROPE_LAYOUT=bnsd) gives the same model."""
+    monkeypatch.setattr(fused, "ROPE_LAYOUT", "bnsd")
+    model = MoeCausalLM.from_profile(profile, dtype=torch.float32, overrides=SMALL + extra)
+    ids = next(batches(96, 2, 6, 0, "cpu"))
+    want_logits, want = _run(copy.deepcopy(model), ids, False, monkeypatch)
+    logits, got = _run(model, ids, True, monkeypatch)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    for n, g in got.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-5, msg=n)
+
+
+def test_expand_heads_repeats_each_head_in_the_layout_of_q():
+    from moegraph_cli.models.common.attention import expand_heads
+    B, S, Nkv, D, rep = 2, 5, 3, 4, 2
+    k = torch.randn(B, Nkv, S, D)
+    want = k.repeat_interleave(rep, dim=1)
+    q_bnsd = torch.randn(B, Nkv * rep, S, D)
+    q_bsnd = torch.randn(B, S, Nkv * rep, D).transpose(1, 2)
+    got = expand_heads(k, rep, like=q_bnsd)
+    assert torch.equal(got, want) and got.is_contiguous()
+    got = expand_heads(k.transpose(1, 2).contiguous().transpose(1, 2), rep, like=q_bsnd)
+    assert torch.equal(got, want) and got.transpose(1, 2).is_contiguous()
+
+
 def test_switch_reaches_the_kernels(monkeypatch):
     """ON_CPU routes norms and the rope through the kernels (their outputs differ from torch's
     in the last bits), ENABLED = False restores the torch path bitwise."""

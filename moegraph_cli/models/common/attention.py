@@ -85,12 +85,9 @@ class AttentionScope(Scope):
             q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         if self.num_kv_heads != self.num_heads:
             # Expanded rather than `enable_gqa=True`: the fused SDPA kernels then run on every
-            # torch we support, and the expand is a view until SDPA reads it.
+            # torch we support (cuDNN's GQA backward is not deterministic), in q's layout.
             rep = self.num_heads // self.num_kv_heads
-            k = k[:, :, None].expand(batch, self.num_kv_heads, rep, seq, self.head_dim) \
-                .reshape(batch, self.num_heads, seq, self.head_dim)
-            v = v[:, :, None].expand(batch, self.num_kv_heads, rep, seq, self.head_dim) \
-                .reshape(batch, self.num_heads, seq, self.head_dim)
+            k, v = expand_heads(k, rep, like=q), expand_heads(v, rep, like=q)
         scale = self.head_dim ** -0.5
         if self.sinks is not None:
             o = sink_attention(q, k, v, self.sinks, scale, self.sliding_window)
@@ -104,3 +101,14 @@ class AttentionScope(Scope):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         o = o.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return x_BSH + self.o_proj(o)
+
+
+def expand_heads(x_BNSD: torch.Tensor, rep: int, like: torch.Tensor) -> torch.Tensor:
+    """x [B, Nkv, S, D] with each head repeated `rep` times, [B, Nkv * rep, S, D], in the
+    memory layout of `like`: the [B, N, S, D] view of a contiguous [B, S, N, D] tensor when
+    `like` is one (so SDPA reads q, k and v alike), else contiguous [B, N, S, D]."""
+    B, Nkv, S, D = x_BNSD.shape
+    if like.dim() == 4 and like.transpose(1, 2).is_contiguous() and not like.is_contiguous():
+        x = x_BNSD.transpose(1, 2)[:, :, :, None].expand(B, S, Nkv, rep, D)
+        return x.reshape(B, S, Nkv * rep, D).transpose(1, 2)
+    return x_BNSD[:, :, None].expand(B, Nkv, rep, S, D).reshape(B, Nkv * rep, S, D)

@@ -1,5 +1,5 @@
 """The Triton paths of the norms and the rope: RMSNorm (kernels/rmsnorm.py) and the per-head
-q/k RMSNorm + rope + transpose to [B, N, S, D] (kernels/rope.py), as autograd Functions.
+q/k RMSNorm + rope, as [B, N, S, D] (kernels/rope.py), as autograd Functions.
 
 Used on CUDA tensors only: the CPU path stays the torch one in norm.py / rope.py, bitwise
 transformers' (the parity tests). `ENABLED = False` (or MOEGRAPH_FUSED=0 in the environment)
@@ -25,6 +25,8 @@ from ... import grads
 
 ENABLED = os.environ.get("MOEGRAPH_FUSED", "1") not in ("0", "")
 ON_CPU = False
+# The rope's output layout (kernels/rope.py): "bsnd" (default) or "bnsd", MOEGRAPH_ROPE_LAYOUT.
+ROPE_LAYOUT = os.environ.get("MOEGRAPH_ROPE_LAYOUT", "bsnd")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -72,7 +74,7 @@ class _Rope(torch.autograd.Function):
     def forward(ctx, x_BSND, weight, cos_SD, sin_SD, eps):
         from moegraph_kernels.rope import rope_forward
 
-        y, rstd = rope_forward(x_BSND, cos_SD, sin_SD, weight, eps)
+        y, rstd = rope_forward(x_BSND, cos_SD, sin_SD, weight, eps, ROPE_LAYOUT)
         # x is read back only by the norm's backward.
         ctx.save_for_backward(x_BSND if weight is not None else None, weight, rstd, cos_SD,
                               sin_SD)
@@ -94,7 +96,7 @@ class _Rope(torch.autograd.Function):
 def rope(x_BSND: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
          weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """apply_rope(norm(x).transpose(1, 2)) in one kernel: x [B, S, N, D] (any strides, last
-    one 1), the per-head RMSNorm only with `weight`; returns [B, N, S, D] contiguous."""
+    one 1), the per-head RMSNorm only with `weight`; returns [B, N, S, D] in ROPE_LAYOUT."""
     return _Rope.apply(x_BSND, weight, cos_SD, sin_SD, eps)
 
 
