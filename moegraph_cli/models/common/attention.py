@@ -8,6 +8,8 @@ head in every softmax row (GPT-OSS; common/sinks.py); o projection. The scope is
 graphable unit: tensors in, tensors out, parameters and the rope tables owned by the module.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,10 @@ from .norm import RMSNorm
 from .recompute import Scope
 from .rope import apply_rope
 from .sinks import sink_attention
+
+# Grouped K/V heads: "expand" (default) repeats them to the query heads before SDPA, in q's
+# layout; "native" hands SDPA the grouped heads (`enable_gqa=True`). MOEGRAPH_ATTN_GQA.
+GQA = os.environ.get("MOEGRAPH_ATTN_GQA", "expand")
 
 
 class AttentionScope(Scope):
@@ -83,22 +89,25 @@ class AttentionScope(Scope):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
-        if self.num_kv_heads != self.num_heads:
-            # Expanded rather than `enable_gqa=True`: the fused SDPA kernels then run on every
-            # torch we support (cuDNN's GQA backward is not deterministic), in q's layout.
+        scale = self.head_dim ** -0.5
+        windowed = self.sliding_window is not None and seq > self.sliding_window
+        grouped = {}  # SDPA's own grouped heads: the plain causal call only
+        if self.num_kv_heads != self.num_heads and GQA == "native" and self.sinks is None \
+                and not windowed:
+            grouped = {"enable_gqa": True}
+        elif self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = expand_heads(k, rep, like=q), expand_heads(v, rep, like=q)
-        scale = self.head_dim ** -0.5
         if self.sinks is not None:
             o = sink_attention(q, k, v, self.sinks, scale, self.sliding_window)
-        elif self.sliding_window is not None and seq > self.sliding_window:
+        elif windowed:
             # Query i sees keys i - window < j <= i (transformers' sliding-window mask).
             i = torch.arange(seq, device=q.device)
             offset = i[:, None] - i[None, :]
             mask = (offset >= 0) & (offset < self.sliding_window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **grouped)
         o = o.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return x_BSH + self.o_proj(o)
 
