@@ -1,5 +1,5 @@
-"""attention.GQA: SDPA's own grouped K/V heads (`native`) against the expanded heads (the
-default) on CPU in fp32 -- the same model, logits and gradients within 1e-6; the families whose
+"""attention.GQA: SDPA's own grouped K/V heads (`native`, the default) against the expanded
+heads on CPU in fp32 -- the same model, logits and gradients within 1e-6; the families whose
 attention cannot take SDPA's grouped heads (sinks, a sliding window shorter than the sequence)
 keep the expansion."""
 
@@ -33,6 +33,7 @@ def _run(model, ids):
 def test_native_grouped_heads_match_expanded(profile, extra, monkeypatch):
     model = MoeCausalLM.from_profile(profile, dtype=torch.float32, overrides=SMALL + extra)
     ids = next(batches(96, 2, 7, 0, "cpu"))
+    monkeypatch.setattr(attention, "GQA", "expand")
     want_logits, want = _run(copy.deepcopy(model), ids)
     monkeypatch.setattr(attention, "GQA", "native")
     calls = []  # enable_gqa of each SDPA call attention.py makes (the sinks' own not seen)
@@ -46,3 +47,7 @@ def test_native_grouped_heads_match_expanded(profile, extra, monkeypatch):
     for n, g in got.items():
         torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-6, msg=n)
     assert any(calls) == (profile == "tiny-qwen3-moe")
+
+
+def test_native_is_the_default():
+    assert attention.GQA == "native" or "MOEGRAPH_ATTN_GQA" in __import__("os").environ

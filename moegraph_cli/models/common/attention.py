@@ -22,9 +22,14 @@ from .recompute import Scope
 from .rope import apply_rope
 from .sinks import sink_attention
 
-# Grouped K/V heads: "expand" (default) repeats them to the query heads before SDPA, in q's
-# layout; "native" hands SDPA the grouped heads (`enable_gqa=True`). MOEGRAPH_ATTN_GQA.
-GQA = os.environ.get("MOEGRAPH_ATTN_GQA", "expand")
+# Grouped K/V heads: "native" (default) hands SDPA the grouped heads (`enable_gqa=True`) on the
+# plain causal path; "expand" repeats them to the query heads first, in q's layout (the sinks
+# and sliding-window paths always do). MOEGRAPH_ATTN_GQA. On an H200 (torch 2.11) native is the
+# faster (benchmarks/results/attention_scope_gqa.json), and neither is deterministic: SDPA's
+# flash and cuDNN backwards accumulate dq in an order that varies from run to run
+# (attention_det.json), so attention's input gradients may differ in the last bits between
+# two runs of the same step.
+GQA = os.environ.get("MOEGRAPH_ATTN_GQA", "native")
 
 
 class AttentionScope(Scope):
