@@ -51,11 +51,13 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         out.append(("grouped_mm", d._replace(tma=False), False))
         return out
     if kernel == "dact":
-        # Persistent dA measured 3-20x slower (kernel_sweep_8192.json): not swept again.
+        # Persistent dA spilled before its epilogue masked rows by the route (3-20x slower,
+        # kernel_sweep_8192.json); the 4-warp tiles fit two CTAs an SM.
         warps = 8 if block >= 128 else 4
-        tiles = [d, G(block, 128, 32, 8, warps, 5), G(block, 128, 64, 8, warps, 3),
-                 G(block, 64, 64, 8, 4, 4), G(block, 64, 64, 8, 4, 3)]
-        variants = ("base", "tma")
+        tiles = [d, G(block, 128, 64, 8, warps, 3), G(block, 128, 64, 8, warps, 5),
+                 G(block, 128, 32, 8, warps, 5), G(block, 64, 64, 8, 4, 4),
+                 G(block // 2, 128, 64, 8, 4, 4)]
+        variants = ("base", "tma", "tma+persistent")
     elif kernel == "dx":
         tiles = [d, d._replace(num_stages=4)]
         variants = ("base", "tma", "tma+persistent")

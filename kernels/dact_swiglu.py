@@ -36,6 +36,7 @@ def _dact_swiglu_tile(
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
+    ROUTE_MASK: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,12 +59,16 @@ def _dact_swiglu_tile(
     # dA as autograd would hand it to the activation: rounded to the input dtype.
     da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
     rows = offs_m.to(tl.int64)[:, None]
-    tile_mask = row_ok[:, None] & n_ok[None, :]
+    route = tl.load(slot_route_ptr + offs_m)
+    route_ok = route < num_routes
+    # A padding slot has both sentinels, so route_ok == row_ok. ROUTE_MASK (the persistent
+    # loop) masks by the route: row_ok, from the A-load's tokens, would then have to stay live
+    # across the K loop in the epilogue's layout, once per pipeline stage, which spills.
+    tile_mask = (route_ok if ROUTE_MASK else row_ok)[:, None] & n_ok[None, :]
     y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
     g = tl.load(y1_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
-    route = tl.load(slot_route_ptr + offs_m)
-    p = tl.load(weights_ptr + route, mask=route < num_routes, other=0.0).to(tl.float32)
+    p = tl.load(weights_ptr + route, mask=route_ok, other=0.0).to(tl.float32)
     dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
     act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
     out_mask = n_ok[None, :]
@@ -113,7 +118,7 @@ def _dact_swiglu_kernel(
                 slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True)
             if TAIL == 2:
                 _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                                 stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -129,7 +134,7 @@ def _dact_swiglu_kernel(
             slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False)
         if TAIL == 2:
             _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                             stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
