@@ -41,7 +41,7 @@ import triton.language as tl
 MAX_D = 32768
 TILE_ELEMS = 4096  # elements per program tile: rows x next_power_of_2(D)
 MAX_ROWS_PER_TILE = 64
-PARTIALS_PER_SM = 2  # backward programs per SM on a GPU (each loops over its rows)
+PARTIALS_PER_SM = 8  # backward programs per SM on a GPU (each loops over its rows)
 PARTIALS_CPU = 4  # the interpreter: a few, so each loops over several row blocks
 # Tests set a float (NaN) to fill the dW scratch: an element a program fails to write shows.
 SCRATCH_FILL: float | None = None

@@ -18,10 +18,28 @@ Everything here is sync-free: no .item(), no bincount, no nonzero.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+# The top-k of the softmax and GPT-OSS routers by kernels/router_topk.py on CUDA (a tie to the
+# lower index; torch.topk's order of ties is unspecified): MOEGRAPH_ROUTER_TOPK=0 turns it
+# off. ON_CPU (tests) runs it on CPU, under TRITON_INTERPRET=1 and in fp32 only.
+TOPK_KERNEL = os.environ.get("MOEGRAPH_ROUTER_TOPK", "1") not in ("0", "")
+ON_CPU = False
+
+
+def _topk(x_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of each row's top_k, as torch.topk returns them; values differentiable."""
+    if TOPK_KERNEL and (x_TE.is_cuda or ON_CPU) and x_TE.dim() == 2 and x_TE.stride(-1) == 1 \
+            and x_TE.shape[-1] <= 1024 and x_TE.dtype in (torch.float32, torch.bfloat16,
+                                                          torch.float16):
+        from moegraph_kernels.router_topk import topk_ids  # Triton: only where it runs
+        ids_TK = topk_ids(x_TE.detach(), top_k)
+        return x_TE.gather(1, ids_TK), ids_TK
+    return torch.topk(x_TE, top_k, dim=-1)
 
 
 def route(x_TH: torch.Tensor, w_router_EH: torch.Tensor, top_k: int, norm_topk_prob: bool):
@@ -44,7 +62,7 @@ def skewed_route(x_TH: torch.Tensor, w_router_EH: torch.Tensor, top_k: int,
 
 def _softmax_topk(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool):
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-    topk_weights_TK, topk_ids_TK = torch.topk(probs_TE, top_k, dim=-1)
+    topk_weights_TK, topk_ids_TK = _topk(probs_TE, top_k)
     if norm_topk_prob:
         topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(dim=-1, keepdim=True)
     return topk_ids_TK, topk_weights_TK.to(logits_TE.dtype), probs_TE
@@ -57,7 +75,7 @@ def route_topk_softmax(x_TH: torch.Tensor, w_router_EH: torch.Tensor, b_router_E
     (topk_ids_TK int64, topk_weights_TK in x's dtype, probs_TE fp32 softmax over every expert,
     for the statistics as transformers' load_balancing_loss_func takes them)."""
     logits_TE = F.linear(x_TH, w_router_EH, b_router_E)
-    top_TK, topk_ids_TK = torch.topk(logits_TE, top_k, dim=-1)
+    top_TK, topk_ids_TK = _topk(logits_TE, top_k)
     topk_weights_TK = torch.softmax(top_TK, dim=-1, dtype=top_TK.dtype)
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
     return topk_ids_TK, topk_weights_TK, probs_TE
