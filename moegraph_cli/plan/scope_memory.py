@@ -104,6 +104,12 @@ def fused_norms(device_type: str) -> bool:
     return device_type == "cuda" and os.environ.get("MOEGRAPH_FUSED", "1") not in ("0", "")
 
 
+def gqa_native() -> bool:
+    """Whether attention hands SDPA its grouped K/V heads (models/common/attention.GQA, read
+    the same way, without importing torch)."""
+    return os.environ.get("MOEGRAPH_ATTN_GQA", "native") == "native"
+
+
 def rms_saved(rows: int, width: int, b: int, input_external: bool, fused: bool = False) -> int:
     """moegraph's torch rms_norm saves x.float() (the input itself in fp32), rsqrt [rows, 1]
     fp32 and the normalised value in the model dtype (the weight multiply's other operand).
@@ -128,8 +134,12 @@ def attn_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         return mla_memory(prof, device_type)
     # With sinks (GPT-OSS, common/sinks.py) SDPA runs at head dim D + PAD over S + 1 keys.
     sdpa_dim = D + SINK_PAD if "attn.sinks" in shapes else D
+    windowed = c.sliding_window is not None and prof.run.seq_len > c.sliding_window
+    # K/V heads as SDPA keeps them: its own grouped heads on the plain causal path
+    # (attention.GQA "native"), else expanded to the query heads.
+    kv_kept = nkv if (gqa_native() and "attn.sinks" not in shapes and not windowed) else nh
     saved = (rms_saved(T, H, b, True, fused) + b * T * H  # input norm; its output y (q/k/v in)
-             + 4 * b * T * nh * sdpa_dim  # SDPA's q, k, v (GQA-expanded) and its output
+             + 2 * b * T * (nh + kv_kept) * sdpa_dim  # SDPA's q, k, v and its output
              + 4 * T * nh)  # SDPA's logsumexp
     for name, heads in (("attn.q_norm.weight", nh), ("attn.k_norm.weight", nkv)):
         if name in shapes:  # the family's q/k norm: per head ([D]) or over the projection
@@ -137,7 +147,7 @@ def attn_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
             saved += rms_saved(T * heads * D // width, width, b, False, fused)
     if c.clip_qkv is not None:  # each clamp keeps its input
         saved += b * T * (Q + 2 * nkv * D)
-    if c.sliding_window is not None and prof.run.seq_len > c.sliding_window:
+    if windowed:
         saved += b * prof.run.seq_len ** 2  # SDPA keeps the window as an additive [S, S] mask
     params = param_bytes(prof, 0, "attn.")
     wide = max(H, Q)
@@ -154,8 +164,9 @@ def attn_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         sdpa = b * T * Qp + 3 * b * T * Qp + 12 * T * Qp
         bwd = params + b * T * Q + max(sdpa, 12 * T * wide if not fused else 0)
     elif fused:
-        # SDPA's backward: dO [T, Q] in, dq / dk / dv (GQA-expanded) and flash's fp32 dq
-        # accumulator out; the input gradient [T, H] comes later, once they are gone.
+        # SDPA's backward: dO [T, Q] in, dq / dk / dv and flash's fp32 dq accumulator out
+        # (dk / dv counted at the query heads also for grouped heads: the backward's own
+        # expanded workspace is not modelled); the input gradient [T, H] comes later.
         bwd = params + b * T * Q + 3 * b * T * Q + 4 * T * Q + 4 * T * nh
     else:  # torch rms_norm's fp32 backward temporaries dominate
         bwd = (b * T * H + params + b * T * Q

@@ -48,12 +48,13 @@ def test_scope_io_logits_and_saved_of_tiny_by_hand(monkeypatch):
     a = model.kinds["attn"]
     assert (a.out, a.in_grad) == (stream, stream)
     # attn saved, bf16: input norm (fp32 x, rsqrt, normed, output y), q norm over Q=512,
-    # k norm over KV=256, SDPA q/k/v (k, v expanded to 8 heads) and out, logsumexp.
+    # k norm over KV=256, SDPA q and out (8 heads), k and v (its own grouped heads: 4 each;
+    # expanded to 8 with MOEGRAPH_ATTN_GQA=expand), logsumexp.
     by_hand = (4 * T * 512 + 4 * T + 2 * T * 512 + 2 * T * 512
                + 4 * T * 512 + 4 * T * 8 + 2 * T * 512
                + 4 * T * 256 + 4 * T * 4 + 2 * T * 256
-               + 4 * 2 * T * 512 + 4 * T * 8)
-    assert a.saved == by_hand == 13_193_216
+               + 2 * 2 * T * 512 + 2 * 2 * T * 256 + 4 * T * 8)
+    assert a.saved == by_hand == 12_144_640
     m = model.kinds["moe"]
     assert m.out == stream + 2 * 8 * 4  # + router statistics [2, E] fp32
     # permute-free: BM = 128 (N = T*k = 2048 >= 256*E), S = (2048/128 + 8) * 128 = 3072
@@ -349,5 +350,13 @@ def test_fused_norms_save_their_input_and_rstd_only():
     by_hand = (4 * T + 2 * T * 512  # input norm: rstd (x is the scope's input); y
                + 2 * T * 512 + 4 * T * 8  # q head norm: x, rstd per head
                + 2 * T * 256 + 4 * T * 4  # k head norm
-               + 4 * 2 * T * 512 + 4 * T * 8)  # SDPA q, k, v, out; logsumexp
+               + 2 * 2 * T * 512 + 2 * 2 * T * 256 + 4 * T * 8)  # SDPA q, out; k, v; lse
     assert m.saved == by_hand and m.saves_input
+
+
+def test_expanded_kv_heads_are_counted_at_the_query_heads(monkeypatch):
+    """MOEGRAPH_ATTN_GQA=expand: SDPA keeps K and V at the query heads (8 of 64 dims)."""
+    native = step_model(load_profile("tiny-qwen3-moe")).kinds["attn"].saved
+    monkeypatch.setenv("MOEGRAPH_ATTN_GQA", "expand")
+    expanded = step_model(load_profile("tiny-qwen3-moe")).kinds["attn"].saved
+    assert expanded - native == 2 * 2 * (2 * 512) * (512 - 256)
