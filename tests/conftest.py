@@ -17,9 +17,10 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
+    """Without CUDA, the `cuda` tests skip. With it, they share one xdist group, so that under
+    the README's `-n 2 --dist loadgroup` they run one at a time in one worker (their memory and
+    timing figures assume the GPU to themselves)."""
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "cuda" in item.keywords:
-            item.add_marker(skip)
+            item.add_marker(pytest.mark.xdist_group("cuda") if HAS_CUDA else skip)
