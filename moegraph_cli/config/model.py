@@ -153,6 +153,9 @@ class ModelConfig:
              f"of the {c.num_hidden_layers} layers, got {show(c.layer_types)}"),
             ("swiglu_limit", c.swiglu_limit is None or c.swiglu_limit > 0,
              f"{prefix}swiglu_limit must be positive or null, got {show(c.swiglu_limit)}"),
+            ("initializer_range", 0 <= c.initializer_range <= 1,
+             f"{prefix}initializer_range must be in [0, 1] (the standard deviation of the "
+             f"seeded init's weights), got {show(c.initializer_range)}"),
         ]
         yarn = (_yarn_problem(c.rope_scaling, c.rope_theta) if "rope_scaling" in family.features
                 else None)
