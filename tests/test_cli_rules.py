@@ -270,13 +270,13 @@ def test_a_weight_that_overflows_the_load_dtype(ckpt):
     assert torch.isinf(load_state_dict(ckpt, cfg, dtype=torch.float16)["norm.weight"][3])
 
 
-def test_verify_names_a_non_finite_seeded_weight():
-    """Weights not from a checkpoint are checked by verify itself (an initializer_range so
-    large that N(0, std) overflows float32)."""
+def test_verify_refuses_an_initializer_range_that_would_overflow_the_seeded_weights():
+    """An initializer_range so large that N(0, std) overflows float32 is refused as config,
+    before any weight is drawn (verify's own non-finite check: test_first_non_finite)."""
     one_line(*run_cli("verify", *TINY_SET, *CPU, "--set", "model.initializer_range=1e39",
-                      "--steps", "1"), 1,
-             "verify: weight embed_tokens.weight of profile tiny-qwen3-moe is not finite (inf "
-             "at [0, 0])")
+                      "--steps", "1"), 2,
+             "model.initializer_range must be in [0, 1] (the standard deviation of the seeded "
+             "init's weights), got 1e+39")
 
 
 def test_first_non_finite():
