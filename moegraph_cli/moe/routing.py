@@ -34,11 +34,11 @@ ON_CPU = False
 def _topk(x_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, ids) of each row's top_k, as torch.topk returns them; values differentiable."""
     if TOPK_KERNEL and (x_TE.is_cuda or ON_CPU) and x_TE.dim() == 2 and x_TE.stride(-1) == 1 \
-            and x_TE.shape[-1] <= 1024 and x_TE.dtype in (torch.float32, torch.bfloat16,
-                                                          torch.float16):
-        from moegraph_kernels.router_topk import topk_ids  # Triton: only where it runs
-        ids_TK = topk_ids(x_TE.detach(), top_k)
-        return x_TE.gather(1, ids_TK), ids_TK
+            and x_TE.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        from moegraph_kernels import router_topk  # Triton: only where it runs
+        if x_TE.shape[-1] <= router_topk.MAX_E:
+            ids_TK = router_topk.topk_ids(x_TE.detach(), top_k)
+            return x_TE.gather(1, ids_TK), ids_TK
     return torch.topk(x_TE, top_k, dim=-1)
 
 

@@ -96,11 +96,10 @@ class AttentionScope(Scope):
             q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         scale = self.head_dim ** -0.5
         windowed = self.sliding_window is not None and seq > self.sliding_window
-        grouped = {}  # SDPA's own grouped heads: the plain causal call only
-        if self.num_kv_heads != self.num_heads and GQA == "native" and self.sinks is None \
-                and not windowed:
-            grouped = {"enable_gqa": True}
-        elif self.num_kv_heads != self.num_heads:
+        grouped = self.num_kv_heads != self.num_heads
+        # SDPA's own grouped heads: the plain causal call only
+        native = grouped and GQA == "native" and self.sinks is None and not windowed
+        if grouped and not native:
             rep = self.num_heads // self.num_kv_heads
             k, v = expand_heads(k, rep, like=q), expand_heads(v, rep, like=q)
         if self.sinks is not None:
@@ -112,7 +111,8 @@ class AttentionScope(Scope):
             mask = (offset >= 0) & (offset < self.sliding_window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **grouped)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=native)
         o = o.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return x_BSH + self.o_proj(o)
 
