@@ -1,6 +1,7 @@
 """benchmarks/kernel_sweep.py end to end on the CPU (interpreter, fp32, a small shape), so
 the script keeps up with the kernels' signatures: every record of the product's default and
-of the grouped_mm dW comparison is written, deterministic and equal where it must be."""
+of the grouped_mm dW comparison is written, deterministic and equal where it must be (the
+grouped_mm dW to fp32 rounding)."""
 
 import json
 import sys
@@ -33,4 +34,8 @@ def test_kernel_sweep_runs_on_the_cpu(tmp_path, monkeypatch):
         ("wgrad_gate_up", "default"), ("wgrad_gate_up", "grouped_mm")}
     for r in recs:
         assert "error" not in r, r
-        assert r["deterministic"] and r["equal_default"], r
+        assert r["deterministic"], r
+        # torch's CPU grouped GEMM sums fp32 products in its own order (which depends on the
+        # CPU's vector width): equal to the kernel's within rounding, not bitwise.
+        assert r["equal_default"] if r["candidate"] == "default" else \
+            r["max_abs_diff"] < 1e-6, r
