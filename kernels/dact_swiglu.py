@@ -22,7 +22,6 @@ from . import tma
 from .gated_act import gated_backward, gated_forward
 from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, dact_config
-from .prefetch import prefetch_rows_l2
 from .route_align import RouteList
 from .slot_schedule import (live_block_list, persistent_tile, program_tile,
                             store_zero_gated_rows)
@@ -37,7 +36,7 @@ def _dact_swiglu_tile(
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
-    ROUTE_MASK: tl.constexpr, PREFETCH: tl.constexpr, EPI_N: tl.constexpr,
+    ROUTE_MASK: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,12 +49,6 @@ def _dact_swiglu_tile(
     # w_down[e] is [H, F]: B[k = h, n = f], contiguous along f.
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + offs_k.to(tl.int64)[:, None] * stride_wk + offs_n[None, :])
-    if PREFETCH:  # the epilogue's Y1 lines into L2 while the K loop runs
-        y1_rows = y1_ptr + offs_m.to(tl.int64) * stride_y1 + pid_n * BLOCK_N
-        prefetch_rows_l2(y1_rows, ffn - pid_n * BLOCK_N, BLOCK_N,
-                         y1_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        prefetch_rows_l2(y1_rows + ffn, ffn - pid_n * BLOCK_N, BLOCK_N,
-                         y1_ptr.dtype.element_ty.primitive_bitwidth // 8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # TMA: w_down as [E * H, F]; tile [BK, BN] at (e*H + k, n).
     acc, _ = gathered_k_loop(
@@ -63,32 +56,6 @@ def _dact_swiglu_tile(
         w_desc, expert * hidden, pid_n * BLOCK_N, 0,
         BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=USE_TMA, B_NK=False)
 
-    if BLOCK_N > EPI_N:  # two column halves, one epilogue each (fewer live registers)
-        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, EPI_N)), (0, 2, 1)))
-        _dact_epilogue(acc0, offs_m, pid_n * BLOCK_N, 2 * pid_n, row_ok, y1_ptr, weights_ptr,
-                       slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, num_routes, ffn,
-                       stride_y1, stride_dy1, stride_act, stride_dp, EPI_N, CLAMPED,
-                       ROUTE_MASK)
-        _dact_epilogue(acc1, offs_m, pid_n * BLOCK_N + EPI_N, 2 * pid_n + 1, row_ok, y1_ptr,
-                       weights_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
-                       num_routes, ffn, stride_y1, stride_dy1, stride_act, stride_dp, EPI_N,
-                       CLAMPED, ROUTE_MASK)
-    else:
-        _dact_epilogue(acc, offs_m, pid_n * BLOCK_N, pid_n, row_ok, y1_ptr, weights_ptr,
-                       slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, num_routes, ffn,
-                       stride_y1, stride_dy1, stride_act, stride_dp, BLOCK_N, CLAMPED,
-                       ROUTE_MASK)
-
-
-@triton.jit
-def _dact_epilogue(acc, offs_m, col0, dp_col, row_ok, y1_ptr, weights_ptr, slot_route_ptr,
-                   dy1_ptr, act_ptr, dp_ptr, alpha, limit, num_routes, ffn,
-                   stride_y1, stride_dy1, stride_act, stride_dp, WIDTH: tl.constexpr,
-                   CLAMPED: tl.constexpr, ROUTE_MASK: tl.constexpr):
-    """The SwiGLU backward of dA columns [col0, col0 + WIDTH): dY1, A and dp_part[:, dp_col]
-    (zeros where the columns start past F: dA and Y1 read zeros there)."""
-    offs_n = col0 + tl.arange(0, WIDTH)
-    n_ok = offs_n < ffn
     # dA as autograd would hand it to the activation: rounded to the input dtype.
     da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
     rows = offs_m.to(tl.int64)[:, None]
@@ -110,20 +77,17 @@ def _dact_epilogue(acc, offs_m, col0, dp_col, row_ok, y1_ptr, weights_ptr, slot_
     tl.store(dy1_ptrs + ffn, du.to(dy1_ptr.dtype.element_ty), mask=out_mask)
     tl.store(act_ptr + rows * stride_act + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + dp_col, dp_part)
+    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_n, dp_part)
 
 
 @triton.jit
 def _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, row0, stride_dy1, stride_act, stride_dp, pid_n,
-                    ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI_N: tl.constexpr):
-    """The all-padding second half of a tail block: dY1, A and dp_part's columns of tile
-    pid_n (one per EPI_N-wide epilogue)."""
+                    ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The all-padding second half of a tail block: dY1, A and dp_part's column pid_n."""
     store_zero_gated_rows(dy1_ptr, act_ptr, row0, stride_dy1, stride_act, pid_n, ffn, BLOCK_M,
                           BLOCK_N)
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-    for j in tl.static_range(BLOCK_N // EPI_N):
-        tl.store(dp_ptr + rows * stride_dp + pid_n * (BLOCK_N // EPI_N) + j,
-                 tl.zeros((BLOCK_M,), dtype=tl.float32))
+    tl.store(dp_ptr + rows * stride_dp + pid_n, tl.zeros((BLOCK_M,), dtype=tl.float32))
 
 
 @triton.jit
@@ -136,7 +100,6 @@ def _dact_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
-    PREFETCH: tl.constexpr, EPI_N: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -155,11 +118,10 @@ def _dact_swiglu_kernel(
                 slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PREFETCH,
-                EPI_N)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True)
             if TAIL == 2:
                 _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
-                                stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N, EPI_N)
+                                stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
     else:
         pid_m, pid_n, expert, ok = program_tile(
             tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
@@ -172,29 +134,19 @@ def _dact_swiglu_kernel(
             slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PREFETCH,
-            EPI_N)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False)
         if TAIL == 2:
             _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
-                            stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N, EPI_N)
+                            stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------
 # Launchers.
 
 
-# Columns of one epilogue pass: a wider tile runs its epilogue in EPI_N-column parts, so the
-# accumulator of a 256-column tile is not live beside two whole Y1 tiles.
-EPI_N = 128
-
-
-def epilogue_n(cfg: GemmConfig) -> int:
-    return min(cfg.block_n, EPI_N)
-
-
 def dp_tiles(ffn: int, cfg: GemmConfig) -> int:
-    """Columns of dact_swiglu's dp_part buffer: one per epilogue part of a column tile."""
-    return triton.cdiv(ffn, cfg.block_n) * (cfg.block_n // epilogue_n(cfg))
+    """Columns of dact_swiglu's dp_part buffer."""
+    return triton.cdiv(ffn, cfg.block_n)
 
 
 def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
@@ -237,9 +189,7 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            PREFETCH=cfg.prefetch and dout_TH.is_cuda, EPI_N=epilogue_n(cfg),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **meta)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
 
     gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, cfg, grid, live_list, meta, plan,
                                            w_down_EHF.shape[0], ffn, dout_TH.device)

@@ -98,15 +98,10 @@ class GemmConfig(NamedTuple):
     # fc1_swiglu with TMA: gate and up weight tiles as one [2, BN, BK] box of w_gate_up seen
     # as [2E, F, H], one [BM, 2BN] dot a K step (2 * BN <= 256). Other kernels ignore it.
     paired: bool = False
-    # dact_swiglu: the epilogue's Y1 (gate, up) and route-weight loads issued before the K
-    # loop, so their latency hides under the MMAs (the registers hold them through the loop).
-    # Other kernels ignore it.
-    prefetch: bool = False
 
     @property
     def variant(self) -> str:
-        """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat', '+tail',
-        '+pair', '+pre'."""
+        """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat', '+tail'."""
         parts = (["tma"] if self.tma else []) + (["persistent"] if self.persistent else [])
         if self.persistent and self.warp_specialize:
             parts.append("ws")
@@ -116,22 +111,19 @@ class GemmConfig(NamedTuple):
             parts.append("tail")
         if self.paired:
             parts.append("pair")
-        if self.prefetch:
-            parts.append("pre")
         return "+".join(parts) or "base"
 
     def with_variant(self, name: str) -> GemmConfig:
         """This tile under the variant `name` ('base', 'tma', 'tma+persistent+ws', ...: the
         `variant` property's spelling)."""
         parts = set(name.split("+")) - {"base"}
-        unknown = parts - {"tma", "persistent", "ws", "noflat", "tail", "pair", "pre"}
+        unknown = parts - {"tma", "persistent", "ws", "noflat", "tail", "pair"}
         if unknown:
             raise ValueError(f"GemmConfig: unknown variant part {sorted(unknown)[0]!r} in "
-                             f"{name!r}; parts are tma, persistent, ws, noflat, tail, pair, pre")
+                             f"{name!r}; parts are tma, persistent, ws, noflat, tail, pair")
         return self._replace(tma="tma" in parts, persistent="persistent" in parts,
                              warp_specialize="ws" in parts, flatten="noflat" not in parts,
-                             split_tail="tail" in parts, paired="pair" in parts,
-                             prefetch="pre" in parts)
+                             split_tail="tail" in parts, paired="pair" in parts)
 
 
 def route_block_m(num_routes: int, num_experts: int, device: torch.device) -> int:

@@ -106,7 +106,7 @@ def with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: t
                   launch):
     """launch(cfg), or launch(pointer-path cfg) where cfg's variant failed on this GPU."""
     base = cfg._replace(tma=False, persistent=False, warp_specialize=False, split_tail=False,
-                        paired=False, prefetch=False)
+                        paired=False)
     if cfg == base or device.type != "cuda" or not FALLBACK_ON_ERROR:
         return _fitted(name, cfg, shape_key, launch) if device.type == "cuda" else launch(cfg)
     key = (name, cfg, shape_key)

@@ -147,7 +147,7 @@ def test_fc1_default_tiles_by_slot_block():
     of 64, FC2 four stages."""
     cuda = torch.device("cuda")
     assert tuple(gc.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
-                                                    False, False, False, False)
+                                                    False, False, False)
     assert tuple(gc.fc1_config(768, 64, cuda))[:6] == (64, 128, 32, 8, 4, 5)
     assert gc.fc1_config(1408, 128, cuda).block_n == 128  # 1408 = 11 x 128
     assert tuple(gc.fc2_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 4)
@@ -340,37 +340,6 @@ def test_fc1_paired_gate_up_box_matches_the_default(case, capacity_factor, varia
     _, _, _, H, F = case[1:]
     assert plans["fc1"].paired == (H % 4 == 0 and F % 4 == 0), plans["fc1"]
     assert plans["fc1"].paired == plans["fc1"].tma
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("variant", ["base", "pre", "tma+persistent+pre"])
-def test_dact_epilogue_in_column_parts_matches_the_whole_tile(case, variant, monkeypatch):
-    """A dA tile wider than EPI_N runs its epilogue in two column parts, each writing its own
-    dp_part column: dY1 and A bitwise equal to the one-part epilogue, dp's pairs summing to
-    the one-part column, every live element written (a part wholly past F writes zero dp).
-    `pre` (the L2 prefetch) is dropped on the CPU: the same results."""
-    import moegraph_kernels.dact_swiglu as da
-    x, w_N, w_gate_up, w_down, dout, routes = _problem(case, None)
-    S, F = routes.num_slots, w_down.shape[2]
-    y1 = _default(case, None)["fc1"][0]
-    live = _live_rows(routes)
-    cfg = _cfg().with_variant(variant)
-
-    def run(epi_n):
-        monkeypatch.setattr(da, "EPI_N", epi_n)
-        outs = (_nan(S, 2 * F), _nan(S, F), _nan(S, dp_tiles(F, cfg)))
-        return dact_swiglu(dout, w_down, y1, w_N, routes, *outs, cfg)
-
-    dy1_whole, act_whole, dp_whole = run(32)
-    dy1, act, dp = run(16)
-    assert dp.shape[1] == 2 * dp_whole.shape[1]
-    for got, want in ((dy1, dy1_whole), (act, act_whole)):
-        assert torch.equal(got[live], want[live]) and torch.isnan(got[~live]).all()
-    assert torch.isfinite(dp[live]).all() and torch.isnan(dp[~live]).all()
-    torch.testing.assert_close(dp[live].view(-1, dp_whole.shape[1], 2).sum(-1),
-                               dp_whole[live], rtol=1e-6, atol=1e-6)
-    past_f = torch.arange(dp.shape[1]) * 16 >= F
-    assert (dp[live][:, past_f] == 0).all()
 
 
 def test_paired_descriptor_refusals():
@@ -593,32 +562,6 @@ def test_cuda_fc1_paired_box_is_bitwise_equal(case, variant, monkeypatch):
     assert plan.paired and not plan.fallback, plan
     for g, w in zip(got, want):
         assert torch.isnan(g[~live]).all() and torch.equal(g[live], w[live]), plan
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("tile,variant", [("default", "pre"), ("default", "tma+persistent+pre"),
-                                          ("wide", "base"), ("wide", "pre"),
-                                          ("wide", "tma+pre"), ("wide", "tma+persistent+pre")])
-def test_cuda_dact_prefetch_and_wide_tiles(case, tile, variant, monkeypatch):
-    """dA with the L2 prefetch of its epilogue's Y1 lines (`pre`), and 256-column tiles (their
-    epilogue in two 128-column parts): dY1 and A bitwise equal to the default tile, dp_part
-    (the same 128-column partition) bitwise equal too; no fallback taken."""
-    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
-    base = _gpu_default_config("dact", case)
-    y1 = _gpu_kernel("fc1", case, _gpu_default_config("fc1", case), None)[0]
-    cfg = base if tile == "default" else base._replace(block_n=256, num_stages=3)
-    want = _gpu_kernel("dact", case, base, {"y1": y1})
-    got = _gpu_kernel("dact", case, cfg.with_variant(variant), {"y1": y1})
-    plan = gl.LAST_PLAN["dact"]
-    torch.cuda.synchronize()
-    live = _live_rows(_gpu_problem(case)[-1])
-    assert not plan.fallback, plan
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.isnan(g[~live]).all(), (i, plan)
-        assert torch.equal(g[live], w[live]), (
-            f"dact output {i} under {tile}:{variant} ({plan}): max |diff| "
-            f"{(g[live].float() - w[live].float()).abs().max().item():.3e}")
 
 
 @pytest.mark.cuda
