@@ -38,11 +38,22 @@ import torch
 import triton
 import triton.language as tl
 
+from .env import ints_from_env
+
 MAX_D = 32768
 TILE_ELEMS = 4096  # elements per program tile: rows x next_power_of_2(D)
 MAX_ROWS_PER_TILE = 64
 PARTIALS_PER_SM = 8  # backward programs per SM on a GPU (each loops over its rows)
 PARTIALS_CPU = 4  # the interpreter: a few, so each loops over several row blocks
+# The dW reduction's (partial rows, columns) a program step on a GPU: narrow column blocks so
+# even D = 2048 spreads over 64 programs, each summing its P = 8 x 132 partial rows in about
+# four steps (a [32, 128] tile left 16 programs of 33 steps: 0.69 ms over the 17 reductions of
+# the loaded 4-layer Qwen3-30B step, results/whole_step_topk_kernel.json).
+# D < 1024 (the q / k head norms, D = 128) halves the columns: still 8 programs.
+# MOEGRAPH_NORM_REDUCE_TILE="rows,cols" sets one tile for every D (32,128 is the tile of before).
+_REDUCE_ENV = ints_from_env("MOEGRAPH_NORM_REDUCE_TILE", "rows,cols")
+REDUCE_TILE = _REDUCE_ENV or (256, 32)
+REDUCE_TILE_NARROW = _REDUCE_ENV or (256, 16)
 # Tests set a float (NaN) to fill the dW scratch: an element a program fails to write shows.
 SCRATCH_FILL: float | None = None
 
@@ -80,9 +91,10 @@ def _rmsnorm_fwd_kernel(
 
 @triton.jit
 def _rmsnorm_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-    n_rows, D, stride_dy, stride_x, inv_d, n_blocks,
-    HAS_DW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dres_ptr,
+    n_rows, D, stride_dy, stride_x, stride_dres, inv_d, n_blocks,
+    HAS_DW: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     X_DT: tl.constexpr = x_ptr.dtype.element_ty
     Y_DT: tl.constexpr = dy_ptr.dtype.element_ty
@@ -109,6 +121,10 @@ def _rmsnorm_bwd_kernel(
         dxc = round_to(round_to(dy * w[None, :], Y_DT), X_DT)
         coef = tl.sum(dxc * x, axis=1) * (r * r * r) * inv_d
         dx = dxc * r[:, None] - coef[:, None] * x
+        if HAS_RES:  # + the skip connection's gradient, as autograd's add of the two would
+            dx = round_to(dx, X_DT) + tl.load(
+                dres_ptr + rows64[:, None] * stride_dres + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=mask)
     if HAS_DW:
@@ -191,10 +207,11 @@ def reduce_dw(part_PD: torch.Tensor, y_dtype: torch.dtype, w_dtype: torch.dtype,
     if dw_out.shape != (D,) or not dw_out.is_contiguous() or dw_out.dtype != w_dtype:
         raise ValueError(f"rmsnorm: the weight gradient buffer is {dw_out.dtype} "
                          f"{list(dw_out.shape)}, the weight {w_dtype} [{D}] contiguous")
-    block_d = 128
+    block_p, block_d = (32, 128) if not part_PD.is_cuda else \
+        REDUCE_TILE if D >= 1024 else REDUCE_TILE_NARROW
     _dw_reduce_kernel[(triton.cdiv(D, block_d),)](
         part_PD, dw_out, n_parts, D, Y_DT=_tl_dtype(y_dtype), ACCUMULATE=accumulate,
-        BLOCK_P=32, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False)
+        BLOCK_P=block_p, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False)
     return dw_out
 
 
@@ -225,15 +242,22 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                       rstd: torch.Tensor, need_dw: bool = True,
-                      dw_out: torch.Tensor | None = None, accumulate: bool = False
+                      dw_out: torch.Tensor | None = None, accumulate: bool = False,
+                      dres: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx [..., D] contiguous in x's dtype, dW or None). dW goes into dw_out when given
-    (written, or added with `accumulate`) and is then returned as None; see the docstring."""
+    (written, or added with `accumulate`) and is then returned as None; see the docstring.
+    `dres` (x's shape and dtype): the gradient of a skip connection that also reads x, added
+    to dx as autograd adds two gradients (dx rounded to x's dtype first, one fp32 sum)."""
     D = x.shape[-1]
     x2, dy2 = _rows(x, "x"), _rows(dy, "dy")
     n_rows = x2.shape[0]
     if dy2.shape != x2.shape:
         raise ValueError(f"rmsnorm: dy has shape {list(dy.shape)}, x {list(x.shape)}")
+    res2 = None if dres is None else _rows(dres, "dres")
+    if res2 is not None and (res2.shape != x2.shape or dres.dtype != x.dtype):
+        raise ValueError(f"rmsnorm: dres is {dres.dtype} {list(dres.shape)}, x {x.dtype} "
+                         f"{list(x.shape)}")
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0 or D == 0:
         dx.zero_()
@@ -249,8 +273,9 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     n_parts = num_partials(x.device, n_blocks)
     part = scratch((n_parts, D), x.device) if need_dw else rstd  # rstd: an unused pointer
     _rmsnorm_bwd_kernel[(n_parts,)](
-        dy2, x2, weight.contiguous(), rstd, dx, part, n_rows, D, dy2.stride(0), x2.stride(0),
-        1.0 / D, n_blocks, HAS_DW=need_dw, BLOCK_R=block_r, BLOCK_D=block_d,
+        dy2, x2, weight.contiguous(), rstd, dx, part, dy2 if res2 is None else res2, n_rows, D,
+        dy2.stride(0), x2.stride(0), 0 if res2 is None else res2.stride(0), 1.0 / D, n_blocks,
+        HAS_DW=need_dw, HAS_RES=res2 is not None, BLOCK_R=block_r, BLOCK_D=block_d,
         num_warps=warps, enable_fp_fusion=False)
     if not need_dw:
         return dx, None

@@ -134,6 +134,48 @@ def test_plain_parameter_gets_autograds_gradient():
 
 
 # -- CUDA (bf16), to run on a GPU -----------------------------------------------------------
+@pytest.mark.parametrize("lead,D", SHAPES)
+def test_skip_gradient_is_added_as_autograd_adds_it(lead, D):
+    """dres (a skip connection's gradient, here a strided view) is added to dx in the kernel:
+    the same bits as dx rounded to x's dtype plus dres (torch's add), every element written."""
+    x, w, dy = _inputs(lead, D, seed=D + 1)
+    dres = _inputs(lead, D, seed=D + 2)[0]
+    _, rstd = K.rms_norm_forward(x, w, EPS)
+    dx, dw = K.rms_norm_backward(dy, x, w, rstd)
+    dx_res, dw_res = K.rms_norm_backward(dy, x, w, rstd, dres=dres)
+    assert torch.equal(dx_res, dx + dres) and torch.equal(dw_res, dw)
+    with pytest.raises(ValueError, match="dres is"):
+        K.rms_norm_backward(dy, x, w, rstd, dres=dres.double())
+
+
+@pytest.mark.parametrize("skip_used", [True, False])
+def test_norm_with_skip_matches_the_norm_and_autograds_add(skip_used, monkeypatch):
+    """norm.rms_norm_skip on the kernels: y, and x.grad / w.grad of `x + f(norm(x))`, bitwise
+    those of the norm alone with autograd adding the skip's gradient (and with an unused skip,
+    the norm's gradient alone)."""
+    from moegraph_cli.models.common import norm
+    monkeypatch.setattr(fused, "ON_CPU", True)
+    x, w, dy = _inputs((4, 6), 48, seed=3)
+    dout = torch.randn(4, 6, 48, generator=torch.Generator().manual_seed(4))
+
+    def run(fn):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y, skip = fn(xr, wr)
+        out = (y * 1.5 + skip) if skip_used else y * 1.5
+        out.backward(dout)
+        return y.detach(), xr.grad, wr.grad
+
+    want = run(lambda xr, wr: (norm.rms_norm(xr, wr, EPS), xr))
+    monkeypatch.setattr(fused, "NORM_SKIP", True)
+    got = run(lambda xr, wr: norm.rms_norm_skip(xr, wr, EPS))
+    for g, w_ in zip(got, want):
+        assert torch.equal(g, w_)
+    monkeypatch.setattr(fused, "NORM_SKIP", False)
+    off = run(lambda xr, wr: norm.rms_norm_skip(xr, wr, EPS))
+    for g, w_ in zip(off, want):
+        assert torch.equal(g, w_)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows,D", [(1024, 2048), (32768, 128), (777, 8192), (5, 100)])
 def test_cuda_bf16_matches_unfused(rows, D):

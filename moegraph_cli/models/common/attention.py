@@ -16,7 +16,7 @@ from torch import nn
 
 from ...config import ModelConfig
 from . import fused
-from .linear import Linear
+from .linear import Linear, projections
 from .norm import RMSNorm
 from .recompute import Scope
 from .rope import apply_rope
@@ -70,8 +70,8 @@ class AttentionScope(Scope):
     def body(self, x_BSH: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x_BSH.shape
         cos_SD, sin_SD = self.rope
-        y = self.input_norm(x_BSH)
-        q, k, v = self.q_proj(y), self.k_proj(y), self.v_proj(y)
+        y, skip = self.input_norm.with_skip(x_BSH)
+        q, k, v = projections(y, (self.q_proj, self.k_proj, self.v_proj))
         if self.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -114,7 +114,7 @@ class AttentionScope(Scope):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=native)
         o = o.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
-        return x_BSH + self.o_proj(o)
+        return skip + self.o_proj(o)
 
 
 def expand_heads(x_BNSD: torch.Tensor, rep: int, like: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,8 @@ class MoeScope(Scope):
 
     def body(self, h_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, seq, hidden = h_BSH.shape
-        x_TH = self.post_norm(h_BSH).view(batch * seq, hidden)
+        y_BSH, skip = self.post_norm.with_skip(h_BSH)
+        x_TH = y_BSH.view(batch * seq, hidden)
         if self.grouped:
             topk_ids_TK, topk_weights_TK, probs_TE = route_grouped(
                 x_TH, grads.through(self.router.weight), self.e_score_correction_bias,
@@ -160,7 +161,7 @@ class MoeScope(Scope):
             y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
         elif self.shared_expert is not None:
             y_TH = y_TH + self.shared_expert(x_TH)
-        return h_BSH + y_TH.view(batch, seq, hidden), aux_stats(topk_ids_TK, probs_TE)
+        return skip + y_TH.view(batch, seq, hidden), aux_stats(topk_ids_TK, probs_TE)
 
 
 def _bias_in_model_dtype(module, state_dict, prefix, _metadata):
@@ -208,5 +209,5 @@ class DenseMlpScope(Scope):
         self.down_proj = Linear(i, h, bias=False)
 
     def body(self, h_BSH: torch.Tensor) -> torch.Tensor:
-        y = self.post_norm(h_BSH)
-        return h_BSH + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        y, skip = self.post_norm.with_skip(h_BSH)
+        return skip + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))

@@ -25,6 +25,9 @@ from ... import grads
 
 ENABLED = os.environ.get("MOEGRAPH_FUSED", "1") not in ("0", "")
 ON_CPU = False
+# A norm whose input also feeds a skip connection adds the skip's gradient in its backward
+# kernel (`rms_norm_skip`) instead of a separate add: MOEGRAPH_NORM_SKIP=0 turns it off.
+NORM_SKIP = os.environ.get("MOEGRAPH_NORM_SKIP", "1") not in ("0", "")
 # The rope's output layout (kernels/rope.py): "bsnd" (default) or "bnsd", MOEGRAPH_ROPE_LAYOUT.
 ROPE_LAYOUT = os.environ.get("MOEGRAPH_ROPE_LAYOUT", "bsnd")
 
@@ -67,6 +70,39 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """norm.rms_norm by kernels/rmsnorm.py: y [..., D] contiguous."""
     return _RMSNorm.apply(x, weight, eps)
+
+
+class _RMSNormSkip(torch.autograd.Function):
+    """(y, x): the norm and its input, for a skip connection. The backward gets both
+    gradients and adds the skip's to dx in the norm's kernel: the same bits as autograd's
+    add of the two, one pass fewer over [rows, D]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        from moegraph_kernels.rmsnorm import rms_norm_forward
+
+        y, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y, x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dskip):
+        from moegraph_kernels.rmsnorm import rms_norm_backward
+
+        x, weight, rstd = ctx.saved_tensors
+        need_dw = ctx.needs_input_grad[1]
+        dw_out, acc = _grad_target(weight) if need_dw else (None, False)
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, need_dw=need_dw, dw_out=dw_out,
+                                   accumulate=acc, dres=dskip.to(x.dtype))
+        return (dx if ctx.needs_input_grad[0] else None), dw, None
+
+
+def rms_norm_skip(x: torch.Tensor, weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm.rms_norm(x), x as the skip connection's operand), the skip's gradient added in
+    the norm's backward kernel."""
+    return _RMSNormSkip.apply(x, weight, eps)
 
 
 class _Rope(torch.autograd.Function):

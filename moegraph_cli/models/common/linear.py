@@ -4,9 +4,17 @@ The forward is F.linear. The backward computes dx = dy @ w as autograd does and 
 gradient dW = dy^T @ x with `grads.mm_grad` (one GEMM writing, or accumulating with beta = 1,
 into the sink's `.grad`; for a plain parameter the same product autograd forms, returned).
 The bias gradient is the column sum of dy, deposited likewise.
+
+`projections(x, linears)`: several Linears of one input (attention's q, k and v) as one
+autograd node. Forward: each F.linear, unchanged. Backward: dx = sum_i dy_i @ w_i as one GEMM
+and then `addmm_` of the rest into its output (fp32 accumulation, one rounding a GEMM), where
+autograd would write one [rows, in] gradient per projection and add them pairwise; the
+weight and bias gradients as `linear` forms them.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -48,3 +56,47 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+# MOEGRAPH_QKV_ONE_BACKWARD=0: `projections` runs the Linears one by one (autograd's adds).
+ONE_BACKWARD = os.environ.get("MOEGRAPH_QKV_ONE_BACKWARD", "1") not in ("0", "")
+
+
+class _Projections(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, n, *weights_biases):
+        ws, bs = weights_biases[:n], weights_biases[n:]
+        ctx.save_for_backward(x, *ws)
+        ctx.n = n
+        ctx.bs = bs
+        return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, *ws = ctx.saved_tensors
+        n = ctx.n
+        dys2 = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx2 = dys2[0].mm(ws[0])
+            for dy2, w in zip(dys2[1:], ws[1:]):
+                dx2.addmm_(dy2, w)
+            dx = dx2.view(*x.shape[:-1], x.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        need_w, need_b = ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
+        dws = [grads.mm_grad(w, dy2.t(), x2) if need else None
+               for w, dy2, need in zip(ws, dys2, need_w)]
+        dbs = [grads.deposit(b, dy2.sum(0)) if b is not None and need else None
+               for b, dy2, need in zip(ctx.bs, dys2, need_b)]
+        return (dx, None, *dws, *dbs)
+
+
+def projections(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """(lin(x) for lin in linears), with one backward for all (module docstring)."""
+    ws = [lin.weight for lin in linears]
+    bs = [lin.bias for lin in linears]
+    if not ONE_BACKWARD:
+        return tuple(lin(x) for lin in linears)
+    if not torch.is_grad_enabled():
+        return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+    return _Projections.apply(x, len(ws), *ws, *bs)

@@ -62,7 +62,7 @@ class MlaScope(Scope):
         nh = self.num_heads
         cos_SD, sin_SD = self.rope[0][:seq], self.rope[1][:seq]
         rope = apply_rope_interleaved if self.interleave else apply_rope
-        y = self.input_norm(x_BSH)
+        y, skip = self.input_norm.with_skip(x_BSH)
         if self.q_lora_rank is None:
             q = self.q_proj(y)
         else:
@@ -86,4 +86,4 @@ class MlaScope(Scope):
         o = F.scaled_dot_product_attention(q_BNSQ, k_BNSQ, v_BNSV, is_causal=True,
                                            scale=self.scale)[..., :self.v_dim]
         o = o.transpose(1, 2).reshape(batch, seq, nh * self.v_dim)
-        return x_BSH + self.o_proj(o)
+        return skip + self.o_proj(o)
