@@ -86,6 +86,8 @@ def logits_and_margins(model, input_ids: torch.Tensor):
 
     def hook(scope):
         def on_norm(_module, _args, x):
+            if isinstance(x, tuple):  # the norm called with skip=True: (y, its input)
+                x = x[0]
             scores = _selection_scores(scope, x)
             if scope.top_k < scores.shape[-1]:
                 top = scores.topk(scope.top_k + 1, dim=-1).values

@@ -90,7 +90,7 @@ def test_switch_reaches_the_kernels(monkeypatch):
     """ON_CPU routes norms and the rope through the kernels (their outputs differ from torch's
     in the last bits), ENABLED = False restores the torch path bitwise."""
     calls = []
-    for name in ("rms_norm", "rope"):
+    for name in ("rms_norm", "rms_norm_skip", "rope"):
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, _f=real, _n=name, **k: (calls.append(_n),
                                                                              _f(*a, **k))[1])
@@ -101,7 +101,9 @@ def test_switch_reaches_the_kernels(monkeypatch):
         assert calls == []
         monkeypatch.setattr(fused, "ON_CPU", True)
         model(ids)
-        # 2 layers: input + post norms, q and k ropes (norm fused in); the final norm.
-        assert calls.count("rms_norm") == 5 and calls.count("rope") == 4
+        # 2 layers: input + post norms (each with its skip connection), q and k ropes (norm
+        # fused in); the final norm.
+        assert calls.count("rms_norm_skip") == 4 and calls.count("rms_norm") == 1
+        assert calls.count("rope") == 4
         monkeypatch.setattr(fused, "ENABLED", False)
         assert torch.equal(model(ids).logits, want)

@@ -157,11 +157,13 @@ def _compare(rank, world, inputs, cf, experts, factor, expect_overflow):
         for name, a, b in zip(("y", "dx", "dw", "dw_gate_up", "dw_down"), bounded, gathered):
             assert torch.equal(a, b), name
         return
-    # Overflowed: the rows that fit are exact, the tokens cut short are not (the step is
-    # redone by the trainer, tests/distributed/test_ep_overflow.py).
+    # Overflowed: the rows that fit are right, the tokens cut short are not (the step is
+    # redone by the trainer, tests/distributed/test_ep_overflow.py). Right to fp32 rounding,
+    # not bitwise: the rows sit at other positions of the interpreter's tiles, whose numpy
+    # matmul may round a row by its position on some CPUs (vector remainder loops).
     mine = complete[sl]
     assert not bool(mine.all()) or over == 0
-    assert torch.equal(bounded[0][mine], gathered[0][mine])
+    torch.testing.assert_close(bounded[0][mine], gathered[0][mine], rtol=1e-6, atol=1e-6)
 
 
 def _cases(rank, world, experts_name, routings, factors):

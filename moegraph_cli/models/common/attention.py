@@ -70,7 +70,7 @@ class AttentionScope(Scope):
     def body(self, x_BSH: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x_BSH.shape
         cos_SD, sin_SD = self.rope
-        y, skip = self.input_norm.with_skip(x_BSH)
+        y, skip = self.input_norm(x_BSH, skip=True)
         q, k, v = projections(y, (self.q_proj, self.k_proj, self.v_proj))
         if self.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)

@@ -119,7 +119,7 @@ class MoeScope(Scope):
 
     def body(self, h_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, seq, hidden = h_BSH.shape
-        y_BSH, skip = self.post_norm.with_skip(h_BSH)
+        y_BSH, skip = self.post_norm(h_BSH, skip=True)
         x_TH = y_BSH.view(batch * seq, hidden)
         if self.grouped:
             topk_ids_TK, topk_weights_TK, probs_TE = route_grouped(
@@ -209,5 +209,5 @@ class DenseMlpScope(Scope):
         self.down_proj = Linear(i, h, bias=False)
 
     def body(self, h_BSH: torch.Tensor) -> torch.Tensor:
-        y, skip = self.post_norm.with_skip(h_BSH)
+        y, skip = self.post_norm(h_BSH, skip=True)
         return skip + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))

@@ -62,7 +62,7 @@ class MlaScope(Scope):
         nh = self.num_heads
         cos_SD, sin_SD = self.rope[0][:seq], self.rope[1][:seq]
         rope = apply_rope_interleaved if self.interleave else apply_rope
-        y, skip = self.input_norm.with_skip(x_BSH)
+        y, skip = self.input_norm(x_BSH, skip=True)
         if self.q_lora_rank is None:
             q = self.q_proj(y)
         else:

@@ -1,8 +1,9 @@
 """RMSNorm with transformers' numerics: fp32 math, cast back, then scale by the weight.
 
 The weight's gradient goes through `grads.through` (deposited into a sink's `.grad`). On CUDA
-the same math runs as one Triton kernel each way (fused.py, kernels/rmsnorm.py); `with_skip`
-also hands back the input for a skip connection, whose gradient that kernel then adds."""
+the same math runs as one Triton kernel each way (fused.py, kernels/rmsnorm.py); with
+`skip=True` the module also hands back its input for a skip connection, whose gradient that
+kernel then adds."""
 
 import torch
 
@@ -34,9 +35,10 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip: bool = False):
+        """rms_norm(x); with `skip`, (rms_norm(x), x) for a skip connection (rms_norm_skip).
+        Through the module call either way, so forward hooks see the norm (its output a
+        tuple with `skip`)."""
+        if skip:
+            return rms_norm_skip(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
-
-    def with_skip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(x), x): see rms_norm_skip."""
-        return rms_norm_skip(x, self.weight, self.eps)
