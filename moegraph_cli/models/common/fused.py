@@ -45,26 +45,35 @@ def _grad_target(weight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     return (None, False) if where is None else where
 
 
+def _norm_forward(ctx, x, weight, eps):
+    from moegraph_kernels.rmsnorm import rms_norm_forward
+
+    y, rstd = rms_norm_forward(x, weight, eps)
+    ctx.save_for_backward(x, weight, rstd)
+    return y
+
+
+def _norm_backward(ctx, dy, dres=None):
+    """(dx, dW, None) of the norm, dres (a skip connection's gradient) added to dx."""
+    from moegraph_kernels.rmsnorm import rms_norm_backward
+
+    x, weight, rstd = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[1]
+    dw_out, acc = _grad_target(weight) if need_dw else (None, False)
+    dx, dw = rms_norm_backward(dy, x, weight, rstd, need_dw=need_dw, dw_out=dw_out,
+                               accumulate=acc, dres=dres)
+    return (dx if ctx.needs_input_grad[0] else None), dw, None
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        from moegraph_kernels.rmsnorm import rms_norm_forward
-
-        y, rstd = rms_norm_forward(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
+        return _norm_forward(ctx, x, weight, eps)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        from moegraph_kernels.rmsnorm import rms_norm_backward
-
-        x, weight, rstd = ctx.saved_tensors
-        need_dw = ctx.needs_input_grad[1]
-        dw_out, acc = _grad_target(weight) if need_dw else (None, False)
-        dx, dw = rms_norm_backward(dy, x, weight, rstd, need_dw=need_dw, dw_out=dw_out,
-                                   accumulate=acc)
-        return (dx if ctx.needs_input_grad[0] else None), dw, None
+        return _norm_backward(ctx, dy)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,23 +88,12 @@ class _RMSNormSkip(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        from moegraph_kernels.rmsnorm import rms_norm_forward
-
-        y, rstd = rms_norm_forward(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y, x
+        return _norm_forward(ctx, x, weight, eps), x
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dskip):
-        from moegraph_kernels.rmsnorm import rms_norm_backward
-
-        x, weight, rstd = ctx.saved_tensors
-        need_dw = ctx.needs_input_grad[1]
-        dw_out, acc = _grad_target(weight) if need_dw else (None, False)
-        dx, dw = rms_norm_backward(dy, x, weight, rstd, need_dw=need_dw, dw_out=dw_out,
-                                   accumulate=acc, dres=dskip.to(x.dtype))
-        return (dx if ctx.needs_input_grad[0] else None), dw, None
+        return _norm_backward(ctx, dy, dskip.to(ctx.saved_tensors[0].dtype))
 
 
 def rms_norm_skip(x: torch.Tensor, weight: torch.Tensor, eps: float
