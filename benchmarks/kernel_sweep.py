@@ -40,19 +40,14 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         out.append(("masked", d._replace(tma=False), False))
         long = [G(128, 128, 32, 8, 8, 5), G(128, 128, 64, 4, 8, 3), G(128, 128, 64, 4, 8, 4),
                 G(128, 128, 64, 4, 8, 5), G(128, 128, 64, 4, 8, 6), G(128, 256, 64, 4, 8, 3),
-                G(128, 256, 64, 4, 8, 4), G(256, 128, 64, 4, 8, 3)]
+                G(128, 256, 64, 4, 8, 4), G(256, 128, 64, 4, 8, 3),
+                # 4 warps, 2 or 3 stages: two CTAs an SM, one's epilogue under the other's loop
+                G(128, 128, 64, 8, 4, 2), G(128, 128, 64, 8, 4, 3), G(128, 128, 64, 4, 4, 3)]
         short = [G(128, 128, 32, 8, 4, 2), G(128, 128, 64, 8, 4, 2), G(128, 128, 64, 8, 4, 3),
                  G(128, 128, 64, 8, 8, 3)]
         for t in (short if block < 128 else long):
             out += [(f"{'x'.join(map(str, t[:6]))}", t, True),
                     (f"{'x'.join(map(str, t[:6]))}+tma", t._replace(tma=True), True)]
-        # One program per SM, tile and K loops fused (kernels/wgrad_persistent.py): its
-        # token-id load takes a stage of its own, so 5 stages hold 3 buffers.
-        for t in dict.fromkeys([d._replace(tma=True, persistent=False),
-                                G(128, 128, 64, 8, 4, 2, tma=True)]):
-            for stages in (4, 5):
-                p = t._replace(persistent=True, num_stages=stages)
-                out.append((f"{'x'.join(map(str, p[:6]))}+tma+persistent", p, True))
         # Not a product path: the gathered operand copied to slot order, then torch's
         # K-grouped _grouped_mm over the padded segments (the copy is timed with it).
         out.append(("grouped_mm", d._replace(tma=False), False))

@@ -23,10 +23,6 @@ Layout contract (S slots, E experts, see route_align.py):
   are those of the masked loop, so the result is the same.
 - Programs run expert-major; within an expert, tiles are grouped GROUP_M rows at a time so the
   expert's L and R rows are reused from L2. The sum order is fixed: bitwise repeatable.
-- `GemmConfig.persistent` (padded loop, not `accumulate`): one program per SM with the tile
-  and K loops fused by hand (wgrad_persistent.py), bitwise equal to the kernel here. Its
-  accumulate form spills on sm_90 with Triton 3.6 (ptxas: 168-192 bytes of stack a thread at
-  the long-loop tiles), so accumulation keeps this kernel.
 
 Bias gradients (`expert_bias_grad`), the same ownership and the same slot range:
 db[e, n] = sum over the real slots s of expert e of scale(s) * R[row_R(s), n], with scale 1
@@ -48,7 +44,6 @@ from .env import flag_from_env
 from .gemm_config import GemmConfig, tile_from_env
 from .route_align import RouteList
 from .slot_schedule import grouped_pid
-from .wgrad_persistent import dw_step, launch_persistent
 
 
 # MOEGRAPH_WGRAD_SHORT="bm,bn,bk,group,warps,stages" (what benchmarks/wgrad_sweep.py prints),
@@ -61,13 +56,9 @@ SHORT_OVERRIDE = tile_from_env("MOEGRAPH_WGRAD_SHORT")
 # either way: the padding slots are zeros on one side and masked on the other.
 PADDED_K = flag_from_env("MOEGRAPH_WGRAD_PADDED", True)
 
-# The long-loop tiles run persistent (wgrad_persistent.py) with MOEGRAPH_WGRAD_PERSISTENT=1, at
-# 5 stages (the 3 buffers of the 3-stage tile: its token-id load takes a stage of its own).
-PERSISTENT = flag_from_env("MOEGRAPH_WGRAD_PERSISTENT", False)
-
-# (padded, tma, persistent) of the latest launch, keyed by gather_l (True: dW_down, False:
-# dW_gate_up), for tests and benchmarks.
-LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool, bool]] = {}
+# (padded, tma) of the latest launch, keyed by gather_l (True: dW_down, False: dW_gate_up),
+# for tests and benchmarks.
+LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool]] = {}
 
 
 def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None = None,
@@ -97,8 +88,6 @@ def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None =
         # pointer tile of before (its `masked` rows in kernel_sweep_8192.json and
         # kernel_sweep_ends.json). At 128 x 128 x 64, four stages ran slower than three.
         wide = GemmConfig(256, 128, 64, 4, 8, 3, tma=True)
-        if PERSISTENT:
-            wide = wide._replace(num_stages=5, persistent=True)
         return wide if slot_order_l else wide._replace(block_m=128, block_n=256)
     # Narrow weights: 128 x 64 x 32, 5 stages (the sweep of benchmarks/moe_experts.py).
     return GemmConfig(128, 64, 32, 8, 4, 5)
@@ -159,9 +148,18 @@ def _expert_wgrad_kernel(
                 row_l = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
             if GATHER_R:
                 row_r = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
-        acc = dw_step(acc, l_ptr, r_ptr, l_desc, r_desc, row_l, row_r, l_mask, r_mask,
-                      start + k0, pid_m, pid_n, offs_m, offs_n, stride_l, stride_r,
-                      BLOCK_M, BLOCK_N, L_TMA, R_TMA)
+        # L^T tile [BLOCK_M, BLOCK_K]: column k of it is row row_l[k] of L.
+        if L_TMA:
+            lt = l_desc.load([start + k0, pid_m * BLOCK_M]).T
+        else:
+            lt = tl.load(l_ptr + row_l.to(tl.int64)[None, :] * stride_l + offs_m[:, None],
+                         mask=l_mask, other=0.0)
+        if R_TMA:
+            r = r_desc.load([start + k0, pid_n * BLOCK_N])
+        else:
+            r = tl.load(r_ptr + row_r.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
+                        mask=r_mask, other=0.0)
+        acc = tl.dot(lt, r, acc)
 
     dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
                + offs_m.to(tl.int64)[:, None] * stride_dwm + offs_n[None, :])
@@ -184,13 +182,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
             l_desc = tma.descriptor(l_rows, (cfg.block_k, cfg.block_m))
         if not gather_r and tma.matrix_fits(r_rows, (cfg.block_k, cfg.block_n)):
             r_desc = tma.descriptor(r_rows, (cfg.block_k, cfg.block_n))
-    persistent = padded and cfg.persistent and not accumulate
-    LAST_WGRAD_PLAN[gather_l] = (padded, l_desc is not None or r_desc is not None, persistent)
-    if persistent:
-        tiles = num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        return launch_persistent(l_rows, r_rows, l_desc, r_desc, routes, out_EMN, gather_l,
-                                 gather_r, cfg, accumulate,
-                                 max(1, min(tma.num_programs(l_rows.device), tiles)))
+    LAST_WGRAD_PLAN[gather_l] = (padded, l_desc is not None or r_desc is not None)
     grid = (num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _expert_wgrad_kernel[grid](
         l_rows, r_rows, l_rows if l_desc is None else l_desc,
