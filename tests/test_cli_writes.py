@@ -114,8 +114,11 @@ def test_signals_interrupt_raises_and_restores():
     with pytest.raises(Interrupted) as e:
         with signals_interrupt():
             assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL  # else it kills us
-            os.kill(os.getpid(), signal.SIGHUP)
-            time.sleep(5)  # the handler runs before this returns
+            # raise_signal delivers to this (the main) thread, so the handler runs as it
+            # returns; os.kill may land on another of the process's threads (pytest-xdist's,
+            # torch's), and the main thread would only see it after the block had ended.
+            signal.raise_signal(signal.SIGHUP)
+            time.sleep(5)
     assert e.value.signum == signal.SIGHUP and e.value.exit_code == 129
     assert isinstance(e.value, KeyboardInterrupt)  # every Ctrl-C cleanup runs for it
     assert signal.getsignal(signal.SIGHUP) is before

@@ -111,7 +111,8 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
     def make():
         torch.manual_seed(run.seed)
         model = build_model(spec, device, rt=rt)
-        return model, make_trainer(model, lr, run.weight_decay, rt, run.grad_accum)
+        return model, make_trainer(model, lr, run.weight_decay, rt, run.grad_accum,
+                                   run.overlap_update)
 
     def batch_iter():
         return batches(prof.model.vocab_size, run.batch * run.grad_accum, run.seq_len, run.seed, device,
@@ -121,7 +122,11 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
     with Progress(progress and rank == 0, 2 * steps + 1, "verify") as bar:
         tick = ticker(bar, rt)
         graph_model, graph_trainer = make()
+        if rt is not None:
+            rt.beat()  # each set-up stage that ends is progress for the watchdog
         _refuse_non_finite(spec, graph_model, rt)
+        if rt is not None:
+            rt.beat()
         gi = batch_iter()
         session = build_session(graph_model, run.scopes, run.pool, rt=rt,
                                 grad_accum=run.grad_accum, trainer=graph_trainer)
