@@ -3,7 +3,7 @@ graph, split by part, against transformers' own step with and without torch.comp
 
     python3 benchmarks/whole_step.py [--only tiny-qwen3-moe,qwen3-30b-a3b-4layer]
         [--steps 20] [--warmup 3] [--transformers eager,compile] [--hf-experts grouped_mm]
-        [--ops 30] [--graph-modes "attn,moe;step"] [--kernels N] [--overlap off,on] [--no-verify]
+        [--ops 30] [--graph-modes "attn,moe;step"] [--kernels N] [--no-verify]
         [--set SECTION.FIELD=VALUE ...] [--out PATH]
 
 A step is forward, backward and the AdamW update on the profile's synthetic batches. Per
@@ -13,9 +13,7 @@ runs):
   whole step as one graph): median step ms over `--steps` CUDA-event-timed steps after
   `--warmup`, peak reserved / allocated bytes, and the GPU time of one more step split by part
   (profiler kernel names bucketed: optimizer, experts, loss, attention, GEMMs, gradient adds,
-  copies and fills, other); the graph modes' pools and counters; with `--overlap off,on`
-  also `eager+overlap` and `step+overlap`, the AdamW update inside the backward
-  (run.overlap_update, train/overlap.py);
+  copies and fills, other); the graph modes' pools and counters;
 - `ops`: the top `--ops` aten ops of one eager step by self CUDA time, with their shapes;
 - `step_predicted`: `moegraph plan --scopes step` (the planner's step pool and peak) beside
   the measured;
@@ -47,7 +45,6 @@ from common import (cli_json, default_out, environment, error_text, kernel_ms, t
                     write_json)
 
 PROFILES = ["tiny-qwen3-moe", "qwen3-30b-a3b-4layer"]
-MODES = ("eager", "eager+overlap", "attn,moe", "step", "step+overlap")
 PARTS = [  # (part, substrings of the kernel name), first match wins
     ("optimizer", ("adamw", "multi_tensor_apply", "fused_adam")),
     ("experts", ("_fc1_swiglu", "_slot_gemm", "_dact_swiglu", "_expert_wgrad",
@@ -126,26 +123,15 @@ def run_moegraph(name: str, args) -> dict:
     spec = resolve(name, None, args.set)
     prof, run = spec.profile, spec.profile.run
     dev = torch.device("cuda")
-    rec = {"batch": run.batch, "seq_len": run.seq_len, "overlap": args.overlap}
+    rec = {"batch": run.batch, "seq_len": run.seq_len}
     torch.manual_seed(run.seed)
     model = build_model(spec, dev)
-    overlaps = [v == "on" for v in args.overlap.split(",")]
-    trainer = GraphTrainer(model, run.lr, run.weight_decay, overlap=any(overlaps))
-    update = trainer.overlap  # train/overlap.py, switched per mode below
+    trainer = GraphTrainer(model, run.lr, run.weight_decay)
     it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, dev)
-    trainer.overlap = None if False in overlaps else update
     rec["eager"] = phase(trainer, it, args.steps, args.warmup, args.ops, args.kernels)
-    if False in overlaps and True in overlaps:
-        trainer.overlap = update
-        rec["eager+overlap"] = phase(trainer, it, args.steps, args.warmup, 0, args.kernels)
-        rec["eager+overlap"]["speedup_vs_eager"] = \
-            rec["eager"]["step_ms"] / rec["eager+overlap"]["step_ms"]
-    for base, scopes, on in [(b, sc, o) for b, sc in (("attn,moe", ["attn", "moe"]),
-                                                       ("step", ["step"])) for o in overlaps]:
-        label = base + ("+overlap" if on and len(overlaps) > 1 else "")
-        if base not in args.modes or (on and base != "step" and len(overlaps) > 1):
-            continue  # scope graphs never overlap the update (trainer.may_overlap)
-        trainer.overlap = update if on else None
+    for label, scopes in (("attn,moe", ["attn", "moe"]), ("step", ["step"])):
+        if label not in args.modes:
+            continue
         torch.cuda.empty_cache()
         session = build_session(model, scopes, "shared", trainer=trainer)
         ok = capture_into(model, session, next(it))
@@ -265,7 +251,8 @@ def run_profile(name: str, args) -> dict:
     rec["transformers"] = {}
     for variant in filter(None, args.transformers.split(",")):
         hf = run_transformers(name, variant, args)
-        best = min((rec.get(m, {}).get("step_ms") or float("inf") for m in MODES))
+        best = min((rec.get(m, {}).get("step_ms") or float("inf") for m in
+                    ("eager", "attn,moe", "step")))
         if hf.get("step_ms") and best < float("inf"):
             hf["speedup"] = hf["step_ms"] / best
         rec["transformers"][variant] = hf
@@ -278,7 +265,7 @@ def print_table(records) -> None:
     for r in records:
         if "error" in r:
             print(f"{r['profile']:22} ERROR {r['error']}")
-        for mode in MODES:
+        for mode in ("eager", "attn,moe", "step"):
             m = r.get(mode, {})
             if "step_ms" not in m:
                 if m:
@@ -314,9 +301,6 @@ def main() -> None:
                          "(empty: eager only)")
     ap.add_argument("--kernels", type=int, default=0,
                     help="record the largest N kernels of each part (0: off)")
-    ap.add_argument("--overlap", default="off", choices=["off", "on", "off,on"],
-                    help="the AdamW update inside the backward (run.overlap_update); off,on: "
-                         "eager and step both ways, side by side")
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     ap.add_argument("--out", default=str(default_out("whole_step.json")))

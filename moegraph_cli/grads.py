@@ -37,7 +37,6 @@ import torch
 _ATTR = "_moegraph_grad_sink"
 _accumulate = False
 _written: set[int] = set()  # ids of the sinks written in this backward pass
-_listener = None  # while armed (`listening`): told of each write and each `boundary` passed
 
 
 def sink(p: torch.Tensor, on: bool = True) -> None:
@@ -76,8 +75,6 @@ def target(p: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     caller allocates and returns the gradient). Marks p written."""
     if not is_sink(p):
         return None
-    if _listener is not None:
-        _listener.before_write(p)
     acc = _accumulate or id(p) in _written
     _written.add(id(p))
     return p.grad, acc
@@ -131,44 +128,3 @@ def through(p: torch.Tensor) -> torch.Tensor:
     if not marked(p) or not torch.is_grad_enabled():
         return p
     return _Through.apply(p)
-
-
-def written(p: torch.Tensor) -> bool:
-    """The sink `p`'s gradient was written in this backward pass (its kernel launched)."""
-    return id(p) in _written
-
-
-@contextlib.contextmanager
-def listening(listener):
-    """While the block runs (a step's last forward and backward), `boundary` makes autograd
-    nodes that call `listener.boundary()` when the backward passes them, and every sink write
-    first calls `listener.before_write(p)` (train/overlap.py: the optimizer update that runs
-    while the backward goes on)."""
-    global _listener
-    before = _listener
-    _listener = listener
-    try:
-        yield
-    finally:
-        _listener = before
-
-
-class _Boundary(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if _listener is not None:
-            _listener.boundary()
-        return g
-
-
-def boundary(x: torch.Tensor) -> torch.Tensor:
-    """`x` itself. While a listener is armed, the backward calls it on passing this point:
-    every op after it in the forward has run its backward, so every gradient those ops write
-    has been launched. Unarmed (or without autograd) there is no node."""
-    if _listener is None or not torch.is_grad_enabled() or not x.requires_grad:
-        return x
-    return _Boundary.apply(x)

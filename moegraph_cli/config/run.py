@@ -45,9 +45,6 @@ class RunConfig:
     # (their largest saved tensor), attn+fc1 both of those. auto: none unless a plan chooses
     # it per layer (`moegraph plan` does where the budget needs it); none: never.
     recompute: str = "auto"
-    # The AdamW update of each layer inside the backward, on a side stream, as soon as the
-    # layer's gradients are written (train/overlap.py; one process; the same bits)
-    overlap_update: bool = False
     # Settings graph capture refuses (fail closed at plan and capture time):
     fp8: bool = False
     pipeline_interleave: int = 1

@@ -102,11 +102,9 @@ def capture_into(model, session, input_ids: torch.Tensor, rt=None, grad_accum: i
 
 
 def make_trainer(model, lr: float, weight_decay: float = 0.0, rt=None,
-                 grad_accum: int = 1, overlap: bool = False) -> GraphTrainer:
-    """The trainer of one process (`overlap`: the update inside the backward, train/overlap.py)
-    or of a distributed run (whose FSDP2 gradients arrive by reduce-scatter: no overlap)."""
+                 grad_accum: int = 1) -> GraphTrainer:
     if rt is None:
-        return GraphTrainer(model, lr, weight_decay, grad_accum, overlap)
+        return GraphTrainer(model, lr, weight_decay, grad_accum)
     from ..distributed.trainer import DistTrainer
     return DistTrainer(model, lr, weight_decay, rt)
 

@@ -191,56 +191,22 @@ class FlatAdamW:
     def step(self) -> None:
         """One AdamW step over every group: step count and bias corrections on the device, then
         one kernel (or the reference ops) per group. Reads `.grad`, never writes it."""
-        self.begin_step()
-        self.update(self.all_ranges())
-
-    @torch.no_grad()
-    def begin_step(self) -> None:
-        """The step's first part: the step count and bias corrections, on each device. Then
-        `update` over ranges that cover every group once (in any order and split)."""
         for s in self._scalars.values():
             s.step.add_(1)
             bias_correction_(s.step, s.pow_consts, s.pow_consts32, s.bias)
-
-    def all_ranges(self) -> list[tuple[int, int, int]]:
-        """(group index, start, end) of every group's whole flat buffer."""
-        return [(i, 0, g.param.numel()) for i, g in enumerate(self.groups)]
-
-    def ranges_of(self, params) -> list[tuple[int, int, int]] | None:
-        """The flat ranges that hold exactly `params` (with their padding), one per group they
-        span; None where they are not consecutive in a group's packing (nor all packed here).
-        Updating a range is updating those parameters: the update is elementwise."""
-        wanted = {id(p) for p in params}
-        out, found = [], 0
-        for i, g in enumerate(self.groups):
-            at = [j for j, p in enumerate(g.params) if id(p) in wanted]
-            if not at:
-                continue
-            if at != list(range(at[0], at[-1] + 1)):
-                return None
-            found += len(at)
-            end = g.offsets[at[-1]] + _aligned(g.params[at[-1]].numel())
-            out.append((i, g.offsets[at[0]], end))
-        return out if found == len(wanted) else None
-
-    @torch.no_grad()
-    def update(self, ranges: list[tuple[int, int, int]]) -> None:
-        """The AdamW update of the flat ranges (after `begin_step`): one kernel (or the
-        reference ops) per range. Reads `.grad`, never writes it."""
-        for i, start, end in ranges:
-            group = self.groups[i]
+        for group in self.groups:
             s = self._scalars[group.param.device]
-            bufs = [t[start:end] for t in group.buffers()]
             if group.use_triton:
-                adamw_step(*bufs, s.lr, s.bias, self.beta1, self.beta2, self.eps,
-                           self.weight_decay)
+                adamw_step(group.param, group.grad, group.exp_avg, group.exp_avg_sq, s.lr,
+                           s.bias, self.beta1, self.beta2, self.eps, self.weight_decay)
             else:
-                self._reference_step(*bufs, s)
+                self._reference_step(group, s)
 
-    def _reference_step(self, param, grad, exp_avg, exp_avg_sq, s: _DeviceScalars) -> None:
+    def _reference_step(self, group: FlatGroup, s: _DeviceScalars) -> None:
         """torch.optim.AdamW's `_single_tensor_adam` (decoupled, capturable=False) on the flat
         buffers, with its Python-double scalars: bitwise torch's, every op being elementwise."""
         lr, step = float(s.lr.item()), float(s.step.item())
+        param, grad, exp_avg, exp_avg_sq = group.param, group.grad, group.exp_avg, group.exp_avg_sq
         if self.weight_decay != 0:
             param.mul_(1 - lr * self.weight_decay)
         exp_avg.lerp_(grad, 1 - self.beta1)

@@ -13,7 +13,6 @@ Megatron), not the aux loss of the pooled batch.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from pathlib import Path
@@ -171,52 +170,32 @@ class Trainer:
     the micro-batches) comes back as a device tensor (no host sync)."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
-                 grad_accum: int = 1, overlap: bool = False):
+                 grad_accum: int = 1):
         self.model = model
         self.grad_accum = grad_accum
         self.optimizer = make_optimizer(model, lr, weight_decay)
         # DeepSeek-V3's router-bias rule (moe.bias_update_rate), applied after each step
         self.bias_update = getattr(getattr(model, "moe_config", None), "bias_update_rate", 0) > 0
-        # The update overlapped with the last backward (train/overlap.py); same bits
-        self.overlap = None
-        if overlap and hasattr(model, "update_chunks"):
-            from .overlap import OverlappedUpdate
-            self.overlap = OverlappedUpdate(self.optimizer, model.update_chunks())
 
-    def forward_backward(self, input_ids: torch.Tensor, overlap=None) -> torch.Tensor:
-        """Every micro-batch's forward and backward; the gradients are in `.grad` after.
-        `overlap` (an OverlappedUpdate): armed around the last micro-batch, whose backward
-        then starts the optimizer update layer by layer (`overlap.finish()` completes it)."""
+    def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Every micro-batch's forward and backward; the gradients are in `.grad` after."""
         total = None
-        micro = split_micro(input_ids, self.grad_accum)
-        for i, ids in enumerate(micro):
-            armed = overlap.armed() if overlap is not None and i == len(micro) - 1 \
-                else contextlib.nullcontext()
-            with armed:
-                self.before_forward()
-                loss = self.model(ids, labels=ids, keep_logits=False).loss
-                if self.grad_accum > 1:
-                    loss = loss / self.grad_accum
-                with grads.backward_pass(accumulate=i > 0):
-                    loss.backward()
+        for i, ids in enumerate(split_micro(input_ids, self.grad_accum)):
+            self.before_forward()
+            loss = self.model(ids, labels=ids, keep_logits=False).loss
+            if self.grad_accum > 1:
+                loss = loss / self.grad_accum
+            with grads.backward_pass(accumulate=i > 0):
+                loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
     def before_forward(self) -> None:
         """Called before each micro-batch's forward (a graph session re-arms here)."""
 
-    def may_overlap(self) -> bool:
-        """Whether this step may run the update inside the backward (not inside scope graphs,
-        whose replayed backward writes gradients without telling grads.py)."""
-        return self.overlap is not None
-
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.may_overlap():
-            loss = self.forward_backward(input_ids, self.overlap)
-            self.overlap.finish()
-        else:
-            loss = self.forward_backward(input_ids)
-            self.optimizer.step()
+        loss = self.forward_backward(input_ids)
+        self.optimizer.step()
         if self.bias_update:
             from ..models.common.ffn import update_router_bias_
 
@@ -242,17 +221,13 @@ def train(model: torch.nn.Module, batch_iter: Iterator[torch.Tensor], steps: int
 class GraphTrainer(Trainer):
     """A Trainer whose micro-batches re-arm an installed graph session (one replay each)."""
 
-    def __init__(self, model, lr: float, weight_decay: float = 0.0, grad_accum: int = 1,
-                 overlap: bool = False):
-        super().__init__(model, lr, weight_decay, grad_accum, overlap)
+    def __init__(self, model, lr: float, weight_decay: float = 0.0, grad_accum: int = 1):
+        super().__init__(model, lr, weight_decay, grad_accum)
         self.session: GraphSession | None = None
 
     def before_forward(self) -> None:
         if self.session is not None:
             self.session.new_step()
-
-    def may_overlap(self) -> bool:
-        return super().may_overlap() and (self.session is None or self.session.whole_step)
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.session is not None and self.session.whole_step:

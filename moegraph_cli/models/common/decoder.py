@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import grads
 from ...config import DEFAULT_PROFILE, ModelConfig, MoeConfig, load_profile, read_hf_config
 from .loss import causal_shift, linear_cross_entropy
 from ...moe.routing import aux_loss_from_stats
@@ -158,10 +157,10 @@ class MoeCausalLM(nn.Module):
         self.rope_tables(input_ids.shape[1], x_BSH.dtype, x_BSH.device)
         aux_stats: list[torch.Tensor] = []
         for layer in self.layers:
-            x_BSH, stats_2E = layer(grads.boundary(x_BSH))
+            x_BSH, stats_2E = layer(x_BSH)
             if stats_2E is not None:
                 aux_stats.append(stats_2E)
-        x_BSH = self.norm(grads.boundary(x_BSH))
+        x_BSH = self.norm(x_BSH)
         w_head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         aux = None
         if aux_stats:
@@ -179,15 +178,6 @@ class MoeCausalLM(nn.Module):
             if aux is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux
         return ModelOutput(logits=logits, loss=loss, aux_loss=aux)
-
-    def update_chunks(self) -> list[list[nn.Parameter]]:
-        """The parameters in the order the backward finishes their gradients, one list per
-        `grads.boundary` of the forward: the final norm and lm head, then each layer from the
-        last. The embedding (and a tied lm head) is not in any: its gradient comes last."""
-        chunks = [list(self.norm.parameters())
-                  + ([] if self.lm_head is None else list(self.lm_head.parameters()))]
-        chunks += [list(layer.parameters()) for layer in reversed(self.layers)]
-        return chunks
 
     def scopes(self) -> list[tuple[str, int, str, nn.Module]]:
         """(name, layer, kind, module) of every graphable scope, in execution order."""
