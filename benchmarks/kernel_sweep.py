@@ -42,12 +42,15 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
                 G(128, 128, 64, 4, 8, 5), G(128, 128, 64, 4, 8, 6), G(128, 256, 64, 4, 8, 3),
                 G(128, 256, 64, 4, 8, 4), G(256, 128, 64, 4, 8, 3),
                 # 4 warps, 2 or 3 stages: two CTAs an SM, one's epilogue under the other's loop
-                G(128, 128, 64, 8, 4, 2), G(128, 128, 64, 8, 4, 3), G(128, 128, 64, 4, 4, 3)]
+                G(128, 128, 64, 8, 4, 2), G(128, 128, 64, 8, 4, 3), G(128, 128, 64, 4, 4, 3),
+                # 8 warps capped at 128 registers: two CTAs an SM at 2 or 3 stages
+                G(128, 128, 64, 8, 8, 2, maxnreg=128), G(128, 128, 64, 8, 8, 3, maxnreg=128)]
         short = [G(128, 128, 32, 8, 4, 2), G(128, 128, 64, 8, 4, 2), G(128, 128, 64, 8, 4, 3),
                  G(128, 128, 64, 8, 8, 3)]
         for t in (short if block < 128 else long):
-            out += [(f"{'x'.join(map(str, t[:6]))}", t, True),
-                    (f"{'x'.join(map(str, t[:6]))}+tma", t._replace(tma=True), True)]
+            cap = "" if t.maxnreg is None else f"+r{t.maxnreg}"
+            out += [(f"{'x'.join(map(str, t[:6]))}{cap}", t, True),
+                    (f"{'x'.join(map(str, t[:6]))}+tma{cap}", t._replace(tma=True), True)]
         # Not a product path: the gathered operand copied to slot order, then torch's
         # K-grouped _grouped_mm over the padded segments (the copy is timed with it).
         out.append(("grouped_mm", d._replace(tma=False), False))
@@ -60,6 +63,12 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
                  G(block, 128, 32, 8, warps, 5), G(block, 64, 64, 8, 4, 4),
                  G(block // 2, 128, 64, 8, 4, 4)]
         variants = ("base", "tma", "tma+persistent")
+        # 8 warps capped at 128 registers, 2 or 3 stages (64 or 96 KB): two CTAs an SM, so
+        # one's epilogue (two Y1 tiles read, three written) runs under the other's K loop
+        for stages in (2, 3):
+            c = G(block, 128, 64, 8, 8, stages, maxnreg=128)
+            out += [(f"{'x'.join(map(str, c[:6]))}+{v}", c.with_variant(v), True)
+                    for v in ("r128", "tma+r128")]
     elif kernel == "dx":
         tiles = [d, d._replace(num_stages=4)]
         variants = ("base", "tma", "tma+persistent")

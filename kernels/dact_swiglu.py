@@ -189,7 +189,7 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+            **cfg.launch_options(), **meta)
 
     gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, cfg, grid, live_list, meta, plan,
                                            w_down_EHF.shape[0], ffn, dout_TH.device)

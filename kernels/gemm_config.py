@@ -98,6 +98,16 @@ class GemmConfig(NamedTuple):
     # fc1_swiglu with TMA: gate and up weight tiles as one [2, BN, BK] box of w_gate_up seen
     # as [2E, F, H], one [BM, 2BN] dot a K step (2 * BN <= 256). Other kernels ignore it.
     paired: bool = False
+    # A register cap a thread (ptxas .maxnreg, Triton's `maxnreg`): at 128, two 8-warp CTAs
+    # fit an SM's 64 K registers where their shared memory fits too. None: ptxas decides.
+    maxnreg: int | None = None
+
+    def launch_options(self) -> dict:
+        """The launch keywords of the tile: warps, stages, and the register cap if set."""
+        out = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            out["maxnreg"] = self.maxnreg
+        return out
 
     @property
     def variant(self) -> str:
@@ -111,19 +121,25 @@ class GemmConfig(NamedTuple):
             parts.append("tail")
         if self.paired:
             parts.append("pair")
+        if self.maxnreg is not None:
+            parts.append(f"r{self.maxnreg}")
         return "+".join(parts) or "base"
 
     def with_variant(self, name: str) -> GemmConfig:
         """This tile under the variant `name` ('base', 'tma', 'tma+persistent+ws', ...: the
         `variant` property's spelling)."""
         parts = set(name.split("+")) - {"base"}
-        unknown = parts - {"tma", "persistent", "ws", "noflat", "tail", "pair"}
-        if unknown:
-            raise ValueError(f"GemmConfig: unknown variant part {sorted(unknown)[0]!r} in "
-                             f"{name!r}; parts are tma, persistent, ws, noflat, tail, pair")
+        caps = {p for p in parts if p[:1] == "r" and p[1:].isdigit()}
+        unknown = parts - caps - {"tma", "persistent", "ws", "noflat", "tail", "pair"}
+        if unknown or len(caps) > 1:
+            bad = sorted(unknown)[0] if unknown else sorted(caps)[1]
+            raise ValueError(f"GemmConfig: unknown variant part {bad!r} in {name!r}; parts "
+                             "are tma, persistent, ws, noflat, tail, pair and one rN (a "
+                             "register cap)")
         return self._replace(tma="tma" in parts, persistent="persistent" in parts,
                              warp_specialize="ws" in parts, flatten="noflat" not in parts,
-                             split_tail="tail" in parts, paired="pair" in parts)
+                             split_tail="tail" in parts, paired="pair" in parts,
+                             maxnreg=int(next(iter(caps))[1:]) if caps else None)
 
 
 def route_block_m(num_routes: int, num_experts: int, device: torch.device) -> int:

@@ -191,8 +191,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
         routes.num_slots, l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0), out_EMN.stride(1),
         GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PADDED=padded,
-        L_TMA=l_desc is not None, R_TMA=r_desc is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        L_TMA=l_desc is not None, R_TMA=r_desc is not None, **cfg.launch_options())
     return out_EMN
 
 

@@ -122,6 +122,13 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
         assert cfg.with_variant(name) == cfg._replace(**VARIANTS.get(name, {}))
     with pytest.raises(ValueError, match="unknown variant part 'tmaa'"):
         cfg.with_variant("tmaa+persistent")
+    # a register cap: named rN, a launch keyword only when set
+    capped = cfg.with_variant("tma+r128")
+    assert capped.maxnreg == 128 and capped.variant == "tma+r128"
+    assert capped.launch_options() == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
+    assert cfg.launch_options() == {"num_warps": 8, "num_stages": 3}
+    with pytest.raises(ValueError, match="one rN"):
+        cfg.with_variant("r128+r96")
     # the product's choice (moe/experts.tile_configs), measured on the H200
     big, small = ("tma+persistent+pair", "tma+pair") if gc.FC1_PAIRED else ("tma", "tma")
     for routes, variants in ((8192 * 8, (big, "tma+persistent", "base", "tma")),
