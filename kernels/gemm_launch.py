@@ -9,7 +9,7 @@
 - `with_fallback`: on a GPU, a variant whose kernel fails to compile or launch is remembered
   (`_FAILED_VARIANTS`), warned about once and replaced by the pointer path (unless
   `FALLBACK_ON_ERROR` is False); `_fitted` lowers the pipeline stages where shared memory
-  cannot hold the config's.
+  cannot hold the config's, for a variant before it falls back and for the pointer path.
 - `LAST_PLAN`: the Plan of the latest launch of each kernel, for tests and benchmarks.
 Tests and benchmarks set this module's state (FALLBACK_ON_ERROR, LAST_PLAN, _FAILED_VARIANTS,
 tail_grid) and the flags of gemm_config.py: the kernel modules read them at call time, as
@@ -112,7 +112,9 @@ def with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: t
     key = (name, cfg, shape_key)
     if key not in _FAILED_VARIANTS:
         try:
-            return launch(cfg)
+            # Shared memory over the limit (fp32 operands: twice a stage's bytes) first costs
+            # the variant pipeline stages, as it does the pointer path.
+            return _fitted(name, cfg, shape_key, launch)
         except Exception as exc:  # a compile or launch failure of the variant: see above
             lines = str(exc).strip().splitlines()
             _FAILED_VARIANTS[key] = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"

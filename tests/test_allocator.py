@@ -46,3 +46,12 @@ def test_nothing_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with allocator.eager_segments() as on:
         assert not on
+
+
+def test_setting_the_mode_warns_nothing():
+    """torch 2.11+ deprecates torch.cuda.memory._set_allocator_settings with a FutureWarning,
+    which `capture` printed on every run; the setter it forwards to is called instead."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        allocator._set(False)  # the default mode: a no-op on a machine without CUDA

@@ -29,7 +29,12 @@ def _user_chose() -> bool:
 
 
 def _set(on: bool) -> None:
-    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+    # torch.cuda.memory._set_allocator_settings warns FutureWarning on torch 2.11+ and calls
+    # this; the old name is kept for a torch without it.
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(f"expandable_segments:{on}")
 
 
 @contextlib.contextmanager

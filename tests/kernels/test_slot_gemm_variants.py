@@ -16,6 +16,7 @@ written, shows up.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -397,6 +398,31 @@ def test_a_variant_that_fails_on_the_gpu_is_replaced_by_the_pointer_path(monkeyp
     monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
     with pytest.raises(RuntimeError, match="PassManager"):
         gl.with_fallback("fc2", cfg, cuda, (2,), launch)
+
+
+def test_a_variant_over_shared_memory_loses_stages_before_it_falls_back(monkeypatch):
+    """fp32 operands need twice a stage's bytes: on the H200 the 64-row dX tile's TMA +
+    persistent variant asked 245808 B of 232448 at 3 stages. It keeps its variant at fewer
+    stages (the same K tiles in the same order: the same result), as the pointer path does."""
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setattr(gl, "_FAILED_VARIANTS", {})
+    monkeypatch.setattr(gl, "_FITTED_STAGES", {})
+    calls = []
+
+    def launch(cfg):
+        calls.append((cfg.variant, cfg.num_stages))
+        if cfg.num_stages > 2:
+            raise OutOfResources(245808, 232448, "shared memory")
+        return "ran"
+
+    cfg = _cfg(tma=True, persistent=True)._replace(num_stages=3)
+    cuda = torch.device("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        assert gl.with_fallback("dx", cfg, cuda, (torch.float32,), launch) == "ran"
+    assert calls == [("tma+persistent", 3), ("tma+persistent", 2)]
+    assert gl.with_fallback("dx", cfg, cuda, (torch.float32,), launch) == "ran"
+    assert calls[-1] == ("tma+persistent", 2)  # the fitted count is remembered
 
 
 def test_tma_checks_reject_what_a_descriptor_cannot_describe():
