@@ -34,6 +34,8 @@ import contextlib
 
 import torch
 
+from . import matmul
+
 _ATTR = "_moegraph_grad_sink"
 _accumulate = False
 _written: set[int] = set()  # ids of the sinks written in this backward pass
@@ -101,13 +103,13 @@ def mm_grad(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor |
     otherwise the product is returned."""
     where = target(p)
     if where is None:
-        return a @ b
+        return matmul.matmul(a, b)
     grad, acc = where
     with torch.no_grad():
         if acc:
-            grad.addmm_(a, b)
+            matmul.addmm_(grad, a, b)
         else:
-            torch.mm(a, b, out=grad)
+            matmul.mm_out(a, b, grad)
     return None
 
 

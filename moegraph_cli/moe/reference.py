@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import grads
+from ..matmul import linear
 from .activation import SWIGLU, ExpertAct, check_expert_extras
 from .routing import Dispatch, local_dispatch
 
@@ -94,7 +95,7 @@ def route_outputs(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
         if tok.numel() == 0:
             continue
         if b_gate_up is None:
-            y1 = F.linear(x_TH[tok], w_gate_up_EFH[e])
+            y1 = linear(x_TH[tok], w_gate_up_EFH[e])
         else:  # the fp32 product plus the bias, one rounding (the kernel's epilogue)
             y1 = (F.linear(x_TH[tok].float(), w_gate_up_EFH[e].float())
                   + b_gate_up[e].float()).to(x_TH.dtype)
@@ -102,7 +103,7 @@ def route_outputs(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
         p = topk_weights_TK[tok, j, None].float()
         a = (gated_act(gate, up, act) * p).to(x_TH.dtype)
         if b_down is None:
-            y2 = F.linear(a, w_down_EHF[e])
+            y2 = linear(a, w_down_EHF[e])
         else:
             y2 = (F.linear(a.float(), w_down_EHF[e].float())
                   + p * b_down[e].float()).to(x_TH.dtype)

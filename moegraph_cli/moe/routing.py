@@ -24,6 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..matmul import linear
+
 # The top-k of the softmax and GPT-OSS routers by kernels/router_topk.py on CUDA (a tie to the
 # lower index; torch.topk's order of ties is unspecified): MOEGRAPH_ROUTER_TOPK=0 turns it
 # off. ON_CPU (tests) runs it on CPU, under TRITON_INTERPRET=1 and in fp32 only.
@@ -44,7 +46,7 @@ def _topk(x_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def route(x_TH: torch.Tensor, w_router_EH: torch.Tensor, top_k: int, norm_topk_prob: bool):
     """Return (topk_ids_TK int64, topk_weights_TK in x's dtype, probs_TE fp32)."""
-    return _softmax_topk(F.linear(x_TH, w_router_EH), top_k, norm_topk_prob)
+    return _softmax_topk(linear(x_TH, w_router_EH), top_k, norm_topk_prob)
 
 
 def skewed_route(x_TH: torch.Tensor, w_router_EH: torch.Tensor, top_k: int,
@@ -53,7 +55,7 @@ def skewed_route(x_TH: torch.Tensor, w_router_EH: torch.Tensor, top_k: int,
     above -1.5 (about 93% of them after a norm): a router that sends most tokens to the first
     EP rank's experts. Not a model's router: benchmarks/ep_capacity.py and the overflow tests
     patch it over models/common/ffn.route to force bounded-dispatch overflow."""
-    logits_TE = F.linear(x_TH, w_router_EH)
+    logits_TE = linear(x_TH, w_router_EH)
     hot_E = torch.zeros(logits_TE.shape[1], dtype=logits_TE.dtype)
     hot_E[:top_k] = 8.0
     logits_TE = logits_TE + (x_TH[:, :1] > -1.5).to(logits_TE.dtype) * hot_E
@@ -74,7 +76,7 @@ def route_topk_softmax(x_TH: torch.Tensor, w_router_EH: torch.Tensor, b_router_E
     dtype, top-k over the logits, softmax over the k picked logits in the model dtype. Return
     (topk_ids_TK int64, topk_weights_TK in x's dtype, probs_TE fp32 softmax over every expert,
     for the statistics as transformers' load_balancing_loss_func takes them)."""
-    logits_TE = F.linear(x_TH, w_router_EH, b_router_E)
+    logits_TE = linear(x_TH, w_router_EH, b_router_E)
     top_TK, topk_ids_TK = _topk(logits_TE, top_k)
     topk_weights_TK = torch.softmax(top_TK, dim=-1, dtype=top_TK.dtype)
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)

@@ -10,6 +10,9 @@ autograd node. Forward: each F.linear, unchanged. Backward: dx = sum_i dy_i @ w_
 and then `addmm_` of the rest into its output (fp32 accumulation, one rounding a GEMM), where
 autograd would write one [rows, in] gradient per projection and add them pairwise; the
 weight and bias gradients as `linear` forms them.
+
+Every product goes through moegraph_cli/matmul.py: torch's own ops, except 16-bit operands on
+the CPU, which are multiplied from fp32 copies (torch's CPU bf16 GEMMs are 7-160x slower there).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 from ... import grads
+from ...matmul import addmm_, linear as _plain, matmul
 
 
 class _Linear(torch.autograd.Function):
@@ -28,13 +31,13 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
         ctx.b = b
-        return F.linear(x, w, b)
+        return _plain(x, w, b)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dy.matmul(w) if ctx.needs_input_grad[0] else None
+        dx = matmul(dy, w) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
             dw = grads.mm_grad(w, dy2.t(), x.reshape(-1, x.shape[-1]))
@@ -47,7 +50,7 @@ class _Linear(torch.autograd.Function):
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; a sink weight (see grads.py) gets its gradient written by the GEMM."""
     if not torch.is_grad_enabled() or not (grads.marked(w) or grads.marked(b)):
-        return F.linear(x, w, b)
+        return _plain(x, w, b)
     return _Linear.apply(x, w, b)
 
 
@@ -69,7 +72,7 @@ class _Projections(torch.autograd.Function):
         ctx.save_for_backward(x, *ws)
         ctx.n = n
         ctx.bs = bs
-        return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+        return tuple(_plain(x, w, b) for w, b in zip(ws, bs))
 
     @staticmethod
     def backward(ctx, *dys):
@@ -78,9 +81,9 @@ class _Projections(torch.autograd.Function):
         dys2 = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
         dx = None
         if ctx.needs_input_grad[0]:
-            dx2 = dys2[0].mm(ws[0])
+            dx2 = matmul(dys2[0], ws[0])
             for dy2, w in zip(dys2[1:], ws[1:]):
-                dx2.addmm_(dy2, w)
+                addmm_(dx2, dy2, w)
             dx = dx2.view(*x.shape[:-1], x.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         need_w, need_b = ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
@@ -98,5 +101,5 @@ def projections(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     if not ONE_BACKWARD:
         return tuple(lin(x) for lin in linears)
     if not torch.is_grad_enabled():
-        return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+        return tuple(_plain(x, w, b) for w, b in zip(ws, bs))
     return _Projections.apply(x, len(ws), *ws, *bs)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ... import grads
+from ...matmul import linear, matmul
 
 IMPLS = ("auto", "triton", "reference")
 
@@ -54,7 +55,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w_VH, labels_T, ignore_index, use_triton, inplace_backward):
         ctx.set_materialize_grads(False)  # else backward gets a zero [T, V] for the logits
-        logits_TV = F.linear(x_TH, w_VH)
+        logits_TV = linear(x_TH, w_VH)
         # Imported here: the kernels module imports Triton, which commands that never train
         # (init, inspect, plan) must not need.
         from moegraph_kernels import cross_entropy as ce
@@ -87,7 +88,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             dlogits_TV = bwd(logits_TV, labels_T, lse_T, grad_loss.float(), n_valid,
                              ctx.ignore_index, out_TV)
         ctx.logits_consumed = ctx.inplace_backward
-        dx = dlogits_TV @ w_VH if ctx.needs_input_grad[0] else None
+        dx = matmul(dlogits_TV, w_VH) if ctx.needs_input_grad[0] else None
         dw = grads.mm_grad(w_VH, dlogits_TV.t(), x_TH) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None, None
 
