@@ -2,10 +2,10 @@
 
 torch's CPU GEMMs in bfloat16 / float16 on a host without AVX-512 BF16 or AMX (an AVX2
 machine, as CI's is) run far slower than fp32 ones of the same shape. On a 2-core AMD EPYC,
-torch 2.13: [1024, 32000] @ [32000, 512] (the lm head's dx) 50.9 s in bf16, 0.29 s from fp32
-copies; [1024, 1536] @ [1536, 512] (a projection's dx) 1.92 s against 0.012 s; the forward
-x @ w^T 9x and dW 7x slower. `moegraph verify --set run.device=cpu` on the built-in default
-took 13 minutes, most of it in those products.
+torch 2.13 (benchmarks/results/cpu_gemm.json): the lm head's dx [1024, 32000] @ [32000, 512]
+49.2 s in bf16 against 0.27 s from fp32 copies, a projection's dx 1.91 s against 0.012 s,
+the forward and dW products 5-17x slower. `moegraph verify --set run.device=cpu` on the
+built-in default took 13 minutes, most of it in those products; 35 s with this module.
 
 So a product here whose operands are 16-bit floats on the CPU is computed from fp32 copies
 and rounded once to the operands' dtype: fp32 accumulation and one rounding, what a GPU's

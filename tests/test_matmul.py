@@ -1,7 +1,7 @@
 """moegraph_cli/matmul.py: 16-bit products on the CPU from fp32 copies, one rounding; torch's
 own ops everywhere else. The model's training step on the CPU in bf16 runs no 16-bit GEMM
-(torch's CPU bf16 GEMMs were 7-160x slower than fp32 on an AVX2 host: the lm head's dx alone
-took 50 s a step on the built-in default)."""
+(torch's CPU bf16 GEMMs ran 5-180x slower than fp32 on an AVX2 host: the lm head's dx alone
+took 49 s a step on the built-in default, benchmarks/results/cpu_gemm.json)."""
 
 import pytest
 import torch

@@ -12,7 +12,7 @@ autograd would write one [rows, in] gradient per projection and add them pairwis
 weight and bias gradients as `linear` forms them.
 
 Every product goes through moegraph_cli/matmul.py: torch's own ops, except 16-bit operands on
-the CPU, which are multiplied from fp32 copies (torch's CPU bf16 GEMMs are 7-160x slower there).
+the CPU, which are multiplied from fp32 copies (torch's CPU bf16 GEMMs ran 5-180x slower there).
 """
 
 from __future__ import annotations
