@@ -1,7 +1,8 @@
 """16-bit GEMMs on the CPU: torch's own bf16 product against moegraph_cli/matmul.py's (fp32
 copies, one rounding), at the built-in default's shapes; then the CPU main job's wall time.
 
-    python3 benchmarks/cpu_gemm.py [--repeats 3] [--no-verify] [--out PATH]
+    python3 benchmarks/cpu_gemm.py [--repeats 3] [--tokens 1024] [--vocab 32000] [--no-verify]
+                                   [--out PATH]
 
 A CPU measurement: nothing here touches a GPU (the record says so). Shapes, for 1024 tokens
 (tiny-qwen3-moe's 2 x 512): the lm head (V = 32000, H = 512) forward x w^T, dx = dlogits w
@@ -56,6 +57,8 @@ def products(tokens: int, vocab: int, hidden: int, proj: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--no-verify", action="store_true", help="skip the verify run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -65,7 +68,7 @@ def main() -> None:
            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "records": []}
     out = args.out or default_out("cpu_gemm.json")
-    for name, (a, b) in products(1024, 32000, 512, 1536):
+    for name, (a, b) in products(args.tokens, args.vocab, 512, 1536):
         rec = {"product": name, "shape": [list(a.shape), list(b.shape)]}
         reps = 1 if name == "lm_head_dx" else args.repeats
         rec["bf16_torch_s"] = seconds(lambda: torch.matmul(a, b), reps)

@@ -3,6 +3,10 @@ own ops everywhere else. The model's training step on the CPU in bf16 runs no 16
 (torch's CPU bf16 GEMMs ran 5-180x slower than fp32 on an AVX2 host: the lm head's dx alone
 took 49 s a step on the built-in default, benchmarks/results/cpu_gemm.json)."""
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,3 +100,19 @@ def test_a_bf16_training_step_on_the_cpu_runs_no_half_gemm(profile, as_sinks):
     assert mode.seen == [], sorted(set(mode.seen))
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all()
                for p in model.parameters() if p.requires_grad)
+
+
+def test_the_cpu_gemm_benchmark_runs(tmp_path, monkeypatch):
+    """benchmarks/cpu_gemm.py at a small shape, without its verify run: one record a product,
+    each with both timings."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import cpu_gemm
+    out = tmp_path / "cpu_gemm.json"
+    monkeypatch.setattr(sys, "argv", ["cpu_gemm.py", "--tokens", "16", "--vocab", "64",
+                                      "--repeats", "1", "--no-verify", "--out", str(out)])
+    cpu_gemm.main()
+    doc = json.loads(out.read_text())
+    assert doc["gpu"] is None and "verify" not in doc
+    assert [r["product"] for r in doc["records"]] == [
+        "lm_head_fwd", "lm_head_dx", "lm_head_dW", "proj_fwd", "proj_dx", "proj_dW"]
+    assert all(r["bf16_torch_s"] > 0 and r["fp32_copies_s"] > 0 for r in doc["records"])
