@@ -40,7 +40,7 @@ def seconds(fn, repeats: int) -> float:
 
 
 def products(tokens: int, vocab: int, hidden: int, proj: int):
-    """(name, operands, the product as a function of them) per case."""
+    """(name, (a, b)) per case: the product a @ b is what is timed."""
     import torch
     g = torch.Generator().manual_seed(0)
 

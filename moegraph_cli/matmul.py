@@ -28,6 +28,10 @@ def through_fp32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in HALF
 
 
+def _from_fp32(x, w, b):
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
 class _Linear16(torch.autograd.Function):
     """F.linear of 16-bit CPU operands, saving them (not fp32 copies) for its backward, so a
     layer holds the bytes F.linear holds (the planner's saved-bytes model)."""
@@ -36,7 +40,7 @@ class _Linear16(torch.autograd.Function):
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+        return _from_fp32(x, w, b)
 
     @staticmethod
     def backward(ctx, dy):
@@ -55,7 +59,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         return F.linear(x, w, b)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b)):
         return _Linear16.apply(x, w, b)
-    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+    return _from_fp32(x, w, b)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """train/allocator.eager_segments: expandable segments for an eager phase, unless the user
 chose the allocator's mode; the default mode again afterwards, even when the phase fails."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -51,7 +53,6 @@ def test_nothing_without_cuda(monkeypatch):
 def test_setting_the_mode_warns_nothing():
     """torch 2.11+ deprecates torch.cuda.memory._set_allocator_settings with a FutureWarning,
     which `capture` printed on every run; the setter it forwards to is called instead."""
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         allocator._set(False)  # the default mode: a no-op on a machine without CUDA
