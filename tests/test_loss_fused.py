@@ -156,3 +156,18 @@ def test_the_one_pass_switch_off_runs_the_two_kernels(monkeypatch):
     assert calls == [1]
     for g, r in zip(on, off):
         assert torch.equal(g, r)
+
+
+@pytest.mark.cuda
+def test_bf16_head_with_grad_scale_gives_the_in_place_paths_bits_on_gpu():
+    T, V, H = 300, 151936, 256
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(V, H, device="cuda", generator=gen) * 0.05).bfloat16()
+    labels = torch.randint(0, V, (T,), device="cuda", generator=gen)
+    labels[::9] = -100
+    for scale in (1.0, 0.5):
+        got = _grads(x, w, labels, "auto", scale, grad_scale=scale)
+        want = _grads(x, w, labels, "auto", scale, inplace_backward=True)
+        for name, g, r in zip(["loss", "dx", "dw"], got, want):
+            assert torch.equal(g, r), (scale, name)
