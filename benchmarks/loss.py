@@ -7,8 +7,7 @@ Paths, all bf16 x [T, H] and w [V, H] (w ~ N(0, 0.02)), labels with 10% ignored:
 - `fp32_ce`: logits = F.linear(x, w), then F.cross_entropy(logits.float(), labels), the
   model's `causal_lm_loss` (its label shift is an O(T) pad and left out);
 - `fused`: moegraph_cli.models.common.loss.linear_cross_entropy; `fused_inplace`: the same with
-  inplace_backward=True (dlogits overwrite the logits); `one_pass`: grad_scale=1.0, the
-  trainers' path (dlogits written over the logits in the forward, by cross_entropy_fused).
+  inplace_backward=True (dlogits overwrite the logits).
 Each is timed forward alone and forward + backward (dx and dW via torch.autograd.grad;
 CUDA events, median of --iters after warm-up), and its peak memory over one forward +
 backward is measured above what the inputs hold (torch.cuda.max_memory_allocated). dW is
@@ -46,12 +45,7 @@ def fused_inplace(x, w, labels):
     return linear_cross_entropy(x, w, labels, inplace_backward=True)[0]
 
 
-def one_pass(x, w, labels):
-    return linear_cross_entropy(x, w, labels, grad_scale=1.0)[0]
-
-
-PATHS = {"fp32_ce": fp32_ce, "fused": fused, "fused_inplace": fused_inplace,
-         "one_pass": one_pass}
+PATHS = {"fp32_ce": fp32_ce, "fused": fused, "fused_inplace": fused_inplace}
 
 
 def measure(name, fn, x, w, labels, warmup, iters):

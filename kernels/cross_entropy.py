@@ -24,14 +24,6 @@ Layout contract:
   stride; it may be the logits buffer itself (in place: each element is read, then written, by
   the same program). Every element of columns [0, V) is written.
 
-Forward and backward in one pass (`cross_entropy_fused`): for a caller that knows the loss's
-incoming gradient before its forward (a trainer: 1 / grad_accum, 1 / world) and keeps no
-logits. Per row it computes lse and loss as the forward, then overwrites the row with dlogits
-for grad_loss = `grad_scale`: the same fp32 expressions as the two kernels, so the same bits.
-One program streams a row twice (the second read mostly from L2: a persistent grid of a few
-programs an SM keeps the rows in flight within L2) and writes it once, against three streams
-(read; read + write) for the pair. The logits buffer holds dlogits from then on.
-
 The `*_ref` functions are the same contract in pure torch, computed a chunk of rows at a time
 so no more than `REF_CHUNK_ELEMS` fp32 elements of logits exist at once: the CPU path and the
 tests' reference.
@@ -43,18 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .env import flag_from_env
-
 REF_CHUNK_ELEMS = 1 << 22  # 16 MB of fp32 per row chunk in the pure-torch path
-
-# linear_cross_entropy's grad_scale runs cross_entropy_fused unless MOEGRAPH_CE_ONE_PASS=0
-# (then the two kernels, dlogits written in the backward): the switch of A/B benchmarks.
-ONE_PASS = flag_from_env("MOEGRAPH_CE_ONE_PASS", True)
-
-# cross_entropy_fused's tile and persistent grid (benchmarks/loss_kernels.py sweeps them).
-FUSED_BLOCK_V = 8192
-FUSED_WARPS = 8
-FUSED_PROGRAMS_PER_SM = 2
 
 
 def _block_v(vocab: int, device: torch.device, cap: int) -> int:
@@ -115,49 +96,6 @@ def _ce_bwd_kernel(
              g.to(dlogits_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
-def _ce_fused_kernel(
-    logits_ptr, labels_ptr, lse_ptr, loss_ptr, n_valid_ptr, grad_scale,
-    num_rows, V, stride_row, ignore_index,
-    BLOCK_V: tl.constexpr,
-):
-    cols = tl.arange(0, BLOCK_V)
-    # The backward kernel's scale, with grad_loss = grad_scale (an fp32 argument).
-    scale = grad_scale / tl.maximum(tl.load(n_valid_ptr).to(tl.float32), 1.0)
-    for row in tl.range(tl.program_id(0), num_rows, tl.num_programs(0)):
-        label = tl.load(labels_ptr + row)
-        valid = label != ignore_index
-        row_ptr = logits_ptr + tl.cast(row, tl.int64) * stride_row
-        n_cols = tl.where(valid, V, 0)  # an ignored row reads nothing
-        # Pass 1, the forward kernel's online logsumexp; its lines are kept in L2 for pass 2.
-        m = float("-inf")
-        d = tl.zeros((BLOCK_V,), dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK_V):
-            x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf"),
-                        eviction_policy="evict_last").to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            d = d * tl.exp(m - m_new) + tl.exp(x - m_new)
-            m = m_new
-        in_range = (label >= 0) & (label < V)
-        x_label = tl.load(row_ptr + label, mask=valid & in_range,
-                          other=float("nan")).to(tl.float32)
-        lse = m + tl.log(tl.where(valid, tl.sum(d, axis=0), 1.0))
-        tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
-        tl.store(loss_ptr + row, tl.where(valid, lse - x_label, 0.0))
-        # Every thread has read its x_label before any overwrites the row.
-        tl.debug_barrier()
-        # Pass 2, the backward kernel's dlogits, written over the row.
-        for start in range(0, V, BLOCK_V):
-            c = start + cols
-            x = tl.load(row_ptr + c, mask=c < n_cols, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            g = (tl.exp(x - lse) - tl.where(c == label, 1.0, 0.0)) * scale
-            g = tl.where(valid, g, 0.0)
-            tl.store(row_ptr + c, g.to(logits_ptr.dtype.element_ty), mask=c < V)
-        # Pass 2's stores of this row before the next row's reads (other lines; kept simple).
-        tl.debug_barrier()
-
-
 def _check_rows(name: str, rows_TV: torch.Tensor, labels_T: torch.Tensor) -> None:
     if rows_TV.dim() != 2 or rows_TV.stride(1) != 1 or rows_TV.stride(0) < rows_TV.shape[1]:
         raise ValueError(f"cross_entropy: {name} must be [T, V] with a contiguous last "
@@ -168,20 +106,15 @@ def _check_rows(name: str, rows_TV: torch.Tensor, labels_T: torch.Tensor) -> Non
                          f"{rows_TV.shape[0]} rows")
 
 
-def _row_outputs(logits_TV: torch.Tensor, labels_T: torch.Tensor):
-    """Checked inputs of a forward: (contiguous labels, empty lse [T], empty loss [T])."""
-    _check_rows("logits", logits_TV, labels_T)
-    num_rows = logits_TV.shape[0]
-    lse_T = torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)
-    return labels_T.contiguous(), lse_T, torch.empty_like(lse_T)
-
-
 def cross_entropy_forward(logits_TV: torch.Tensor, labels_T: torch.Tensor,
                           ignore_index: int = -100, block_v: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse [T] fp32, loss [T] fp32) of the rows of logits_TV; see the module docstring."""
-    labels_T, lse_T, loss_T = _row_outputs(logits_TV, labels_T)
+    _check_rows("logits", logits_TV, labels_T)
     num_rows, vocab = logits_TV.shape
+    labels_T = labels_T.contiguous()
+    lse_T = torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)
+    loss_T = torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)
     if num_rows == 0:
         return lse_T, loss_T
     # One program streams one row. H200, T = 1024, V = 151936 bf16 (benchmarks/loss.py
@@ -217,30 +150,6 @@ def cross_entropy_backward(logits_TV: torch.Tensor, labels_T: torch.Tensor, lse_
         vocab, logits_TV.stride(0), out_TV.stride(0), ignore_index,
         BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
     return out_TV
-
-
-def cross_entropy_fused(logits_TV: torch.Tensor, labels_T: torch.Tensor, n_valid: torch.Tensor,
-                        grad_scale: float, ignore_index: int = -100,
-                        block_v: int | None = None, programs: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse [T] fp32, loss [T] fp32) as cross_entropy_forward, with logits_TV overwritten by
-    cross_entropy_backward's dlogits for grad_loss = grad_scale (module docstring).
-    `programs`: the persistent grid (default a few an SM on CUDA; one a row elsewhere)."""
-    labels_T, lse_T, loss_T = _row_outputs(logits_TV, labels_T)
-    num_rows, vocab = logits_TV.shape
-    if num_rows == 0:
-        return lse_T, loss_T
-    block = block_v or _block_v(vocab, logits_TV.device, FUSED_BLOCK_V)
-    if programs is None:
-        programs = num_rows
-        if logits_TV.is_cuda:
-            sms = torch.cuda.get_device_properties(logits_TV.device).multi_processor_count
-            programs = min(num_rows, FUSED_PROGRAMS_PER_SM * sms)
-    _ce_fused_kernel[(programs,)](
-        logits_TV, labels_T, lse_T, loss_T, n_valid, float(grad_scale), num_rows, vocab,
-        logits_TV.stride(0), ignore_index, BLOCK_V=block,
-        num_warps=FUSED_WARPS if block >= 2048 else 4)
-    return lse_T, loss_T
 
 
 # -- pure-torch reference -------------------------------------------------------------------
@@ -290,14 +199,3 @@ def cross_entropy_backward_ref(logits_TV: torch.Tensor, labels_T: torch.Tensor,
         p.scatter_add_(1, index[rows, None], -in_range[rows, None].float())
         out_TV[rows] = torch.where(valid[rows, None], p * scale, 0.0)
     return out_TV
-
-
-def cross_entropy_fused_ref(logits_TV: torch.Tensor, labels_T: torch.Tensor,
-                            n_valid: torch.Tensor, grad_scale: float, ignore_index: int = -100
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cross_entropy_fused in torch: the forward, then the backward over the logits."""
-    lse_T, loss_T = cross_entropy_forward_ref(logits_TV, labels_T, ignore_index)
-    grad = torch.tensor(float(grad_scale), dtype=torch.float32, device=logits_TV.device)
-    cross_entropy_backward_ref(logits_TV, labels_T, lse_T, grad, n_valid, ignore_index,
-                               out_TV=logits_TV)
-    return lse_T, loss_T

@@ -76,8 +76,7 @@ class DistTrainer(GraphTrainer):
 
     def _forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=False)
-        out = self.model(input_ids, labels=input_ids, keep_logits=False,
-                         loss_grad=1.0 / self.rt.world)
+        out = self.model(input_ids, labels=input_ids, keep_logits=False)
         (out.loss / self.rt.world).backward()
         return out.loss.detach()
 

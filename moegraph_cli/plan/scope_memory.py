@@ -311,9 +311,7 @@ def mlp_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
 def tail_memory(prof: Profile, sinks: bool = True, device_type: str = "cuda") -> dict[str, int]:
     """Final norm, lm head and loss.linear_cross_entropy (the trainers' keep_logits=False):
     the logits [T, V] in the model dtype are the only [T, V] tensor; their gradient
-    overwrites them (in the forward, with the trainers' loss_grad: loss.py's grad_scale;
-    the lm-head input scaled for dW is freed before dx is made); fp32 exists per row only
-    (lse, per-token loss). `sinks`
+    overwrites them in backward; fp32 exists per row only (lse, per-token loss). `sinks`
     (one process): the lm head's dW is written into `.grad` by its GEMM, else returned."""
     c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
     H, V = c.hidden_size, c.vocab_size

@@ -182,8 +182,7 @@ class Trainer:
         total = None
         for i, ids in enumerate(split_micro(input_ids, self.grad_accum)):
             self.before_forward()
-            loss = self.model(ids, labels=ids, keep_logits=False,
-                              loss_grad=1.0 / self.grad_accum).loss
+            loss = self.model(ids, labels=ids, keep_logits=False).loss
             if self.grad_accum > 1:
                 loss = loss / self.grad_accum
             with grads.backward_pass(accumulate=i > 0):

@@ -148,17 +148,11 @@ class MoeCausalLM(nn.Module):
             layer.attn.rope = self._rope_cache[key]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                keep_logits: bool = True, loss_grad: float | None = None) -> ModelOutput:
+                keep_logits: bool = True) -> ModelOutput:
         """Logits, and with `labels` the loss (loss.linear_cross_entropy: the lm head and the
         fp32 cross-entropy without fp32 [tokens, vocab] logits) plus the weighted aux loss.
         `keep_logits=False` (the trainers): the loss's backward overwrites the logits' buffer
-        with their gradient, and no logits are returned. `loss_grad` (with keep_logits=False:
-        the gradient the loss's backward will get, e.g. 1 / grad_accum): the logits' gradient
-        is then computed in the forward, in one pass with the loss (linear_cross_entropy's
-        grad_scale)."""
-        if loss_grad is not None and keep_logits:
-            raise ValueError("loss_grad needs keep_logits=False: the forward writes the "
-                             "logits' gradient over them")
+        with their gradient, and no logits are returned."""
         x_BSH = embedding(input_ids, self.embed_tokens.weight)
         self.rope_tables(input_ids.shape[1], x_BSH.dtype, x_BSH.device)
         aux_stats: list[torch.Tensor] = []
@@ -178,8 +172,7 @@ class MoeCausalLM(nn.Module):
         else:
             loss, logits = linear_cross_entropy(x_BSH, w_head,
                                                 causal_shift(labels.to(x_BSH.device)),
-                                                inplace_backward=not keep_logits,
-                                                grad_scale=loss_grad)
+                                                inplace_backward=not keep_logits)
             if not keep_logits:
                 logits = None
             if aux is not None:

@@ -12,13 +12,9 @@ Memory, with T tokens, V vocab, logits in bf16 (2 bytes):
   `inplace_backward=True`, where dlogits overwrites the logits buffer (the returned logits
   then hold dlogits once backward has run: only for callers done with them by then).
   The fp32 path peaks at about 16 B/element (fp32 grad, softmax, the bf16 cast).
-- `grad_scale` (the trainers): dlogits are written over the logits in the forward, in one
-  pass with the loss (kernels/cross_entropy.py `cross_entropy_fused`); the same 2 B/element
-  from the forward to the end of the backward; in the backward the lm-head input times
-  grad_loss / grad_scale ([T, H], for dW) is freed before dx [T, H] is made.
 The logits GEMM is not chunked over rows: the logits are returned, so the full [T, V] buffer
 exists anyway, and chunking would only add launches. A loss-only variant could chunk and
-recompute to bound it; nothing needs that yet.
+recompute (or compute dlogits in the forward) to bound it; nothing needs that yet.
 
 Gradients: dx = dlogits @ w; dW = dlogits^T @ x through `grads.mm_grad`, so a sink parameter
 gets it written (or accumulated) into `w.grad` and autograd gets None (see grads.py). A tied
@@ -30,8 +26,6 @@ only under TRITON_INTERPRET=1 and only in fp32). Neither path syncs with the hos
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -59,29 +53,21 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Outputs (loss 0-d fp32, logits [T, V] non-differentiable); differentiable in x and w."""
 
     @staticmethod
-    def forward(ctx, x_TH, w_VH, labels_T, ignore_index, use_triton, inplace_backward,
-                grad_scale):
+    def forward(ctx, x_TH, w_VH, labels_T, ignore_index, use_triton, inplace_backward):
         ctx.set_materialize_grads(False)  # else backward gets a zero [T, V] for the logits
         logits_TV = linear(x_TH, w_VH)
         # Imported here: the kernels module imports Triton, which commands that never train
         # (init, inspect, plan) must not need.
         from moegraph_kernels import cross_entropy as ce
-        if not ce.ONE_PASS:  # MOEGRAPH_CE_ONE_PASS=0: the two-kernel path, for A/B runs
-            grad_scale = None
+        fwd = ce.cross_entropy_forward if use_triton else ce.cross_entropy_forward_ref
+        lse_T, loss_T = fwd(logits_TV, labels_T, ignore_index)
         n_valid = (labels_T != ignore_index).sum()
-        if grad_scale is None:
-            fwd = ce.cross_entropy_forward if use_triton else ce.cross_entropy_forward_ref
-            lse_T, loss_T = fwd(logits_TV, labels_T, ignore_index)
-        else:  # the logits become dlogits for an incoming gradient of grad_scale
-            fused = ce.cross_entropy_fused if use_triton else ce.cross_entropy_fused_ref
-            lse_T, loss_T = fused(logits_TV, labels_T, n_valid, grad_scale, ignore_index)
         loss = loss_T.sum() / n_valid  # 0 / 0 = nan when every label is ignored, as torch
         ctx.mark_non_differentiable(logits_TV)
         ctx.save_for_backward(x_TH, w_VH, logits_TV, labels_T, lse_T, n_valid)
         ctx.ignore_index = ignore_index
         ctx.use_triton = use_triton
         ctx.inplace_backward = inplace_backward
-        ctx.grad_scale = grad_scale
         ctx.logits_consumed = False
         return loss, logits_TV
 
@@ -89,9 +75,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss, grad_logits):
         if grad_loss is None:
-            return None, None, None, None, None, None, None
-        if ctx.grad_scale is not None:
-            return _backward_from_dlogits(ctx, grad_loss)
+            return None, None, None, None, None, None
         if ctx.logits_consumed:
             raise RuntimeError("linear_cross_entropy: backward ran twice with "
                                "inplace_backward=True, whose first backward overwrote the "
@@ -106,40 +90,18 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx.logits_consumed = ctx.inplace_backward
         dx = matmul(dlogits_TV, w_VH) if ctx.needs_input_grad[0] else None
         dw = grads.mm_grad(w_VH, dlogits_TV.t(), x_TH) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None, None
-
-
-def _backward_from_dlogits(ctx, grad_loss):
-    """The backward of a forward that wrote dlogits for grad_loss = ctx.grad_scale: the two
-    GEMMs, times grad_loss / grad_scale (on the device, no sync). That ratio is 1 for the
-    caller that named its gradient, and x * 1 is x, so dx and dW are the two-kernel path's
-    bits; any other gradient is still applied, rounded once more."""
-    x_TH, w_VH, dlogits_TV, _, _, _ = ctx.saved_tensors
-    ratio = grad_loss.float() / ctx.grad_scale
-    # dW first: the scaled input [T, H] is gone before dx [T, H] exists.
-    dw = grads.mm_grad(w_VH, dlogits_TV.t(), x_TH * ratio) if ctx.needs_input_grad[1] \
-        else None
-    dx = matmul(dlogits_TV, w_VH).mul_(ratio) if ctx.needs_input_grad[0] else None
-    return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def linear_cross_entropy(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor,
                          ignore_index: int = -100, *, impl: str = "auto",
-                         inplace_backward: bool = False, grad_scale: float | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         inplace_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, logits): loss = mean over tokens whose label != ignore_index of the fp32
     cross-entropy of logits = F.linear(x, w) (in x's dtype), a differentiable 0-d fp32 tensor
     (nan when every label is ignored, as F.cross_entropy); logits, not differentiable, shaped
     [..., V]. x is [T, H] or [..., H] with labels of its leading shape (already shifted: see
     `causal_shift`); w is [V, H]. `impl`: auto | triton | reference (module docstring);
-    `inplace_backward`: dlogits overwrite the returned logits' storage in backward.
-    `grad_scale` (a trainer that keeps no logits and knows the gradient its backward will
-    get): the forward computes dlogits for that gradient in the same pass as the loss and
-    writes them over the logits (the returned logits then hold dlogits); backward is the two
-    GEMMs. Another gradient is still applied (module docstring)."""
-    if grad_scale is not None and not (math.isfinite(grad_scale) and grad_scale != 0):
-        raise ValueError(f"linear_cross_entropy: grad_scale must be finite and nonzero, got "
-                         f"{grad_scale!r}")
+    `inplace_backward`: dlogits overwrite the returned logits' storage in backward."""
     hidden = x_TH.shape[-1]
     vocab = w_VH.shape[0]
     if w_VH.dim() != 2 or w_VH.shape[1] != hidden:
@@ -151,6 +113,5 @@ def linear_cross_entropy(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch
     use_triton = _use_triton(impl, x_TH.device)
     loss, logits_TV = LinearCrossEntropy.apply(
         x_TH.reshape(-1, hidden), w_VH, labels_T.reshape(-1).to(x_TH.device).contiguous(),
-        ignore_index, use_triton, inplace_backward,
-        None if grad_scale is None else float(grad_scale))
+        ignore_index, use_triton, inplace_backward)
     return loss, logits_TV.view(*x_TH.shape[:-1], vocab)
