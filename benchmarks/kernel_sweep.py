@@ -54,7 +54,9 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         # Not a product path: the gathered operand copied to slot order, then torch's
         # K-grouped _grouped_mm over the padded segments (the copy is timed with it).
         out.append(("grouped_mm", d._replace(tma=False), False))
-        return out
+        return out + presorted(d)
+    if kernel == "fc1":
+        return out + presorted(d)
     if kernel == "dact":
         # Persistent dA spilled before its epilogue masked rows by the route (3-20x slower,
         # kernel_sweep_8192.json); the 4-warp tiles fit two CTAs an SM.
@@ -79,7 +81,30 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
             c = t.with_variant(v)
             if c != d:
                 out.append((f"{'x'.join(map(str, c[:6]))}+{v}", c, True))
-    return out
+    return out + (presorted(d) if kernel == "dact" else [])
+
+
+def presorted(d) -> list[tuple[str, object, bool]]:
+    """Not product paths: the kernel's gathered operand first copied to slot order (a zero
+    row for padding), then the default tile reading it in slot order (`presorted`, the copy
+    timed with it; `presorted_nocopy` the kernel alone): a dW then loads both operands by
+    TMA, FC1 and dA read contiguous rows through the same pointer loads."""
+    return [("presorted", d, True), ("presorted_nocopy", d, True)]
+
+
+def slot_order(rows, routes):
+    """(copy(), rows_S, routes'): copy() writes rows_S [S, C] = rows[slot_token] (zeros for
+    padding slots); routes' maps each slot to its own row (padding to the sentinel S)."""
+    import torch
+    S = routes.num_slots
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    tok = routes.slot_token.long().clamp(max=rows.shape[0])
+    rows_S = rows.new_empty(S, rows.shape[1])
+    ident = torch.where(routes.slot_token < rows.shape[0],
+                        torch.arange(S, device=rows.device, dtype=routes.slot_token.dtype),
+                        torch.full_like(routes.slot_token, S))
+    return lambda: torch.index_select(padded, 0, tok, out=rows_S), rows_S, \
+        routes._replace(slot_token=ident)
 
 
 def flops(kernel: str, routes_n: int) -> int:
@@ -143,27 +168,42 @@ def runner(kernel: str, name: str, cfg, padded: bool, t: dict):
     r, S = t["routes"], t["routes"].num_slots
     bf = t["x"].dtype
     new = lambda *shape, dt=bf: torch.empty(shape, device=DEVICE, dtype=dt)  # noqa
+    if name.startswith("presorted"):
+        copy, rows_S, r_S = slot_order(t["x"] if kernel in ("fc1", "wgrad_gate_up")
+                                       else t["dout"], r)
+        copy()
+        t = {**t, "routes": r_S, "x_S": rows_S, "dout_S": rows_S}
+        inner, outs = runner(kernel, "default", cfg, padded, t)
+        if name == "presorted_nocopy":
+            return inner, outs
+        return lambda: (copy(), inner()), outs
     if kernel.startswith("wgrad"):
         down = kernel == "wgrad_down"
         out = new(E, H, F) if down else new(E, 2 * F, H)
         l_rows, r_rows = (t["dout"], t["act"]) if down else (t["dy1"], t["x"])
+        gather = (down, not down)
+        if "x_S" in t:  # presorted: both operands in slot order
+            l_rows, r_rows = (t["dout_S"], t["act"]) if down else (t["dy1"], t["x_S"])
+            gather = (False, False)
 
         if name == "grouped_mm":
             return grouped_mm_wgrad(l_rows, r_rows, r, out, down), [out]
 
         def launch():
             wg.PADDED_K = padded
-            wg.expert_wgrad(l_rows, r_rows, r, out, down, not down, cfg)
+            wg.expert_wgrad(l_rows, r_rows, r, out, *gather, cfg)
         return launch, [out]
     if kernel == "fc1":
         outs = [new(S, 2 * F), new(S, F)]
-        return lambda: fc1_swiglu(t["x"], t["w_gu"], t["w_N"], r, *outs, cfg), outs
+        x = t.get("x_S", t["x"])
+        return lambda: fc1_swiglu(x, t["w_gu"], t["w_N"], r, *outs, cfg), outs
     if kernel == "fc2":
         outs = [new(S, H)]
         return lambda: slot_gemm(t["act"], t["w_down"], r, outs[0], True, cfg), outs
     if kernel == "dact":
         outs = [new(S, 2 * F), new(S, F), new(S, dp_tiles(F, cfg), dt=torch.float32)]
-        return lambda: dact_swiglu(t["dout"], t["w_down"], t["y1"], t["w_N"], r, *outs,
+        dout = t.get("dout_S", t["dout"])
+        return lambda: dact_swiglu(dout, t["w_down"], t["y1"], t["w_N"], r, *outs,
                                    cfg), outs
     outs = [new(S, H)]
     return lambda: slot_gemm(t["dy1"], t["w_gu"], r, outs[0], False, cfg), outs
