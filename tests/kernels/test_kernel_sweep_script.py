@@ -1,7 +1,7 @@
 """benchmarks/kernel_sweep.py end to end on the CPU (interpreter, fp32, a small shape), so
 the script keeps up with the kernels' signatures: every record of the product's default and
-of the grouped_mm dW comparison is written, deterministic and equal where it must be (the
-grouped_mm dW to fp32 rounding)."""
+of the grouped_mm and presorted comparisons is written, deterministic and equal where it must
+be (the grouped_mm dW to fp32 rounding, the presorted paths bitwise)."""
 
 import json
 import sys
@@ -24,18 +24,22 @@ def test_kernel_sweep_runs_on_the_cpu(tmp_path, monkeypatch):
         monkeypatch.setattr(ks, name, v)
     out = tmp_path / "ks.json"
     monkeypatch.setattr(sys, "argv", ["kernel_sweep.py", "--tokens", "24", "--routing", "skewed",
-                                      "--kernels", "dx,wgrad_down,wgrad_gate_up",
-                                      "--candidates", "grouped_mm", "--out", str(out)])
+                                      "--kernels", "dx,dact,wgrad_down,wgrad_gate_up",
+                                      "--candidates", "grouped_mm,presorted",
+                                      "--out", str(out)])
     ks.main()
     recs = [r for r in json.loads(out.read_text())["records"] if "kernel" in r
             and r["kernel"] != "dense_mm"]
     assert {(r["kernel"], r["candidate"]) for r in recs} == {
-        ("dx", "default"), ("wgrad_down", "default"), ("wgrad_down", "grouped_mm"),
-        ("wgrad_gate_up", "default"), ("wgrad_gate_up", "grouped_mm")}
+        ("dx", "default"), ("dact", "default"), ("dact", "presorted"),
+        ("wgrad_down", "default"), ("wgrad_down", "grouped_mm"), ("wgrad_down", "presorted"),
+        ("wgrad_gate_up", "default"), ("wgrad_gate_up", "grouped_mm"),
+        ("wgrad_gate_up", "presorted")}
     for r in recs:
         assert "error" not in r, r
         assert r["deterministic"], r
         # torch's CPU grouped GEMM sums fp32 products in its own order (which depends on the
         # CPU's vector width): equal to the kernel's within rounding, not bitwise.
-        assert r["equal_default"] if r["candidate"] == "default" else \
+        # The presorted paths read the same values in the same order: bitwise.
+        assert r["equal_default"] if r["candidate"] != "grouped_mm" else \
             r["max_abs_diff"] < 1e-6, r
