@@ -14,7 +14,8 @@ and whether the output equals the product default's (`equal_default`, with the m
 otherwise). The first candidate of each kernel is the product's default (`default: true`). A
 plain torch.mm of [T k, H] x [H, 2F] gives the dense bf16 ceiling on the same FLOPs
 (`dense_mm`). The kernels' fallback is off, so a variant that fails is an error, not a slower
-figure.
+figure. Two candidates are not product paths: torch's `_grouped_mm` dW, and `presorted`
+(the gathered operand copied to slot order first; `all_candidates`).
 
 Writes kernel_sweep.json (--out; default $OUT/kernel_sweep.json).
 """
@@ -54,9 +55,7 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         # Not a product path: the gathered operand copied to slot order, then torch's
         # K-grouped _grouped_mm over the padded segments (the copy is timed with it).
         out.append(("grouped_mm", d._replace(tma=False), False))
-        return out + presorted(d)
-    if kernel == "fc1":
-        return out + presorted(d)
+        return out
     if kernel == "dact":
         # Persistent dA spilled before its epilogue masked rows by the route (3-20x slower,
         # kernel_sweep_8192.json); the 4-warp tiles fit two CTAs an SM.
@@ -81,15 +80,25 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
             c = t.with_variant(v)
             if c != d:
                 out.append((f"{'x'.join(map(str, c[:6]))}+{v}", c, True))
-    return out + (presorted(d) if kernel == "dact" else [])
+    return out
 
 
-def presorted(d) -> list[tuple[str, object, bool]]:
-    """Not product paths: the kernel's gathered operand first copied to slot order (a zero
-    row for padding), then the default tile reading it in slot order (`presorted`, the copy
-    timed with it; `presorted_nocopy` the kernel alone): a dW then loads both operands by
-    TMA, FC1 and dA read contiguous rows through the same pointer loads."""
-    return [("presorted", d, True), ("presorted_nocopy", d, True)]
+# The kernels with a gathered operand, and which: X (fc1, dW_gate_up) or dOut (dA, dW_down).
+GATHERED = {"fc1": "x", "wgrad_gate_up": "x", "dact": "dout", "wgrad_down": "dout"}
+
+
+def all_candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, bool]]:
+    """`candidates`, then for the kernels with a gathered operand two that are not product
+    paths: that operand first copied to slot order (a zero row for padding), then the default
+    tile reading it in slot order (`presorted`, the copy timed with it; `presorted_nocopy` the
+    kernel alone): a dW then loads both operands by TMA, FC1 and dA read contiguous rows
+    through the same pointer loads."""
+    out = candidates(kernel, block, defaults)
+    if kernel in GATHERED:
+        d = getattr(defaults, kernel)
+        out += [("presorted", d, True), ("presorted_nocopy", d, True)]
+    return out
+
 
 
 def slot_order(rows, routes):
@@ -169,10 +178,9 @@ def runner(kernel: str, name: str, cfg, padded: bool, t: dict):
     bf = t["x"].dtype
     new = lambda *shape, dt=bf: torch.empty(shape, device=DEVICE, dtype=dt)  # noqa
     if name.startswith("presorted"):
-        copy, rows_S, r_S = slot_order(t["x"] if kernel in ("fc1", "wgrad_gate_up")
-                                       else t["dout"], r)
+        copy, rows_S, r_S = slot_order(t[GATHERED[kernel]], r)
         copy()
-        t = {**t, "routes": r_S, "x_S": rows_S, "dout_S": rows_S}
+        t = {**t, "routes": r_S, "presorted": rows_S}
         inner, outs = runner(kernel, "default", cfg, padded, t)
         if name == "presorted_nocopy":
             return inner, outs
@@ -182,8 +190,8 @@ def runner(kernel: str, name: str, cfg, padded: bool, t: dict):
         out = new(E, H, F) if down else new(E, 2 * F, H)
         l_rows, r_rows = (t["dout"], t["act"]) if down else (t["dy1"], t["x"])
         gather = (down, not down)
-        if "x_S" in t:  # presorted: both operands in slot order
-            l_rows, r_rows = (t["dout_S"], t["act"]) if down else (t["dy1"], t["x_S"])
+        if "presorted" in t:  # both operands in slot order
+            l_rows, r_rows = (t["presorted"], t["act"]) if down else (t["dy1"], t["presorted"])
             gather = (False, False)
 
         if name == "grouped_mm":
@@ -195,14 +203,14 @@ def runner(kernel: str, name: str, cfg, padded: bool, t: dict):
         return launch, [out]
     if kernel == "fc1":
         outs = [new(S, 2 * F), new(S, F)]
-        x = t.get("x_S", t["x"])
+        x = t.get("presorted", t["x"])
         return lambda: fc1_swiglu(x, t["w_gu"], t["w_N"], r, *outs, cfg), outs
     if kernel == "fc2":
         outs = [new(S, H)]
         return lambda: slot_gemm(t["act"], t["w_down"], r, outs[0], True, cfg), outs
     if kernel == "dact":
         outs = [new(S, 2 * F), new(S, F), new(S, dp_tiles(F, cfg), dt=torch.float32)]
-        dout = t.get("dout_S", t["dout"])
+        dout = t.get("presorted", t["dout"])
         return lambda: dact_swiglu(dout, t["w_down"], t["y1"], t["w_N"], r, *outs,
                                    cfg), outs
     outs = [new(S, H)]
@@ -263,7 +271,8 @@ def main() -> None:
             del a, b
             for kernel in args.kernels.split(","):
                 want = None
-                for name, cfg, padded in candidates(kernel, defaults.route_block, defaults):
+                for name, cfg, padded in all_candidates(kernel, defaults.route_block,
+                                                        defaults):
                     if only and name not in only and name != "default":
                         continue
                     padded = padded and padded_default
