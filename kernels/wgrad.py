@@ -23,6 +23,10 @@ Layout contract (S slots, E experts, see route_align.py):
   are those of the masked loop, so the result is the same.
 - Programs run expert-major; within an expert, tiles are grouped GROUP_M rows at a time so the
   expert's L and R rows are reused from L2. The sum order is fixed: bitwise repeatable.
+- Variants that change no value (each tile sums the same terms in the same order):
+  `GemmConfig.persistent`, one program an SM walking the tiles in that order (each tile's K
+  loop pipelined as before); `STORE_TMA`, the tile written by a TMA bulk store (where M is a
+  multiple of BLOCK_M and the launch does not accumulate).
 
 Bias gradients (`expert_bias_grad`), the same ownership and the same slot range:
 db[e, n] = sum over the real slots s of expert e of scale(s) * R[row_R(s), n], with scale 1
@@ -57,8 +61,16 @@ SHORT_OVERRIDE = tile_from_env("MOEGRAPH_WGRAD_SHORT")
 PADDED_K = flag_from_env("MOEGRAPH_WGRAD_PADDED", True)
 
 # (padded, tma) of the latest launch, keyed by gather_l (True: dW_down, False: dW_gate_up),
-# for tests and benchmarks.
+# for tests and benchmarks; LAST_WGRAD_STORE the same launch's (persistent, TMA store).
 LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool]] = {}
+LAST_WGRAD_STORE: dict[bool, tuple[bool, bool]] = {}
+
+# dW tiles leave by a TMA bulk store where it fits (MOEGRAPH_WGRAD_TMA_STORE=1; `_out_desc`).
+# `GemmConfig.persistent` runs one program an SM over the tiles (each tile's K loop as
+# before). Neither changes a value: the same terms summed in the same order.
+STORE_TMA = flag_from_env("MOEGRAPH_WGRAD_TMA_STORE", False)
+# The long-loop tiles of `wgrad_config` run persistent (MOEGRAPH_WGRAD_PERSISTENT=1).
+PERSISTENT = flag_from_env("MOEGRAPH_WGRAD_PERSISTENT", False)
 
 
 def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None = None,
@@ -87,23 +99,25 @@ def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None =
         # / 4.316 and 0.606 / 0.616 / 2.136 ms for the masked 128 x 128 x 32 x 5-stage
         # pointer tile of before (its `masked` rows in kernel_sweep_8192.json and
         # kernel_sweep_ends.json). At 128 x 128 x 64, four stages ran slower than three.
-        wide = GemmConfig(256, 128, 64, 4, 8, 3, tma=True)
+        wide = GemmConfig(256, 128, 64, 4, 8, 3, tma=True, persistent=PERSISTENT)
         return wide if slot_order_l else wide._replace(block_m=128, block_n=256)
     # Narrow weights: 128 x 64 x 32, 5 stages (the sweep of benchmarks/moe_experts.py).
     return GemmConfig(128, 64, 32, 8, 4, 5)
 
 
 @triton.jit
-def _expert_wgrad_kernel(
-    l_ptr, r_ptr, l_desc, r_desc, dw_ptr, slot_token_ptr, expert_start_ptr, expert_count_ptr,
-    M, N, num_tokens, num_slots, stride_l, stride_r, stride_dwe, stride_dwm,
+def _wgrad_tile(
+    pid, l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc, slot_token_ptr, expert_start_ptr,
+    expert_count_ptr, M, N, num_tokens, num_slots, stride_l, stride_r, stride_dwe, stride_dwm,
     GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
+    OUT_TMA: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """dW tile `pid` (expert-major, GROUP_M-grouped within an expert)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.cast(pid, tl.int32)  # a Python int in the interpreter's persistent loop
     expert = pid // (tiles_m * tiles_n)
     pid_m, pid_n = grouped_pid(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
     start = tl.load(expert_start_ptr + expert)
@@ -161,11 +175,45 @@ def _expert_wgrad_kernel(
                         mask=r_mask, other=0.0)
         acc = tl.dot(lt, r, acc)
 
-    dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
-               + offs_m.to(tl.int64)[:, None] * stride_dwm + offs_n[None, :])
-    if ACCUMULATE:
-        acc += tl.load(dw_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if OUT_TMA:
+        # dW as [E * M, N] (M a multiple of BLOCK_M): the tile goes out by an asynchronous
+        # bulk store, and the program moves on while the copy engine drains it.
+        dw_desc.store([expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N],
+                      acc.to(dw_ptr.dtype.element_ty))
+    else:
+        dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
+                   + offs_m.to(tl.int64)[:, None] * stride_dwm + offs_n[None, :])
+        if ACCUMULATE:
+            acc += tl.load(dw_ptrs, mask=m_ok[:, None] & n_ok[None, :],
+                           other=0.0).to(tl.float32)
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _expert_wgrad_kernel(
+    l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc, slot_token_ptr, expert_start_ptr,
+    expert_count_ptr, M, N, num_tokens, num_slots, num_tiles, stride_l, stride_r, stride_dwe,
+    stride_dwm,
+    GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
+    OUT_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    if PERSISTENT:
+        # One program an SM walks the tiles in the same order; the K loop inside stays the
+        # one-tile loop (pipelined alone), so every tile sums the same terms in the same order.
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _wgrad_tile(tile, l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc, slot_token_ptr,
+                        expert_start_ptr, expert_count_ptr, M, N, num_tokens, num_slots,
+                        stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R,
+                        ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PADDED, L_TMA, R_TMA,
+                        OUT_TMA)
+    else:
+        _wgrad_tile(tl.program_id(0), l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc,
+                    slot_token_ptr, expert_start_ptr, expert_count_ptr, M, N, num_tokens,
+                    num_slots, stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R,
+                    ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PADDED, L_TMA, R_TMA,
+                    OUT_TMA)
 
 
 def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gather_r: bool,
@@ -183,16 +231,37 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
         if not gather_r and tma.matrix_fits(r_rows, (cfg.block_k, cfg.block_n)):
             r_desc = tma.descriptor(r_rows, (cfg.block_k, cfg.block_n))
     LAST_WGRAD_PLAN[gather_l] = (padded, l_desc is not None or r_desc is not None)
-    grid = (num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    dw_desc = _out_desc(out_EMN, cfg, accumulate)
+    num_tiles = num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    persistent = cfg.persistent and tma.persistent_available()
+    LAST_WGRAD_STORE[gather_l] = (persistent, dw_desc is not None)
+    grid = (min(num_tiles, tma.num_programs(l_rows.device)) if persistent else num_tiles,)
     _expert_wgrad_kernel[grid](
         l_rows, r_rows, l_rows if l_desc is None else l_desc,
-        r_rows if r_desc is None else r_desc, out_EMN, routes.slot_token,
+        r_rows if r_desc is None else r_desc, out_EMN,
+        out_EMN if dw_desc is None else dw_desc, routes.slot_token,
         routes.expert_starts, routes.expert_counts, m, n, routes.token_slots.shape[0],
-        routes.num_slots, l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0), out_EMN.stride(1),
-        GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PADDED=padded,
-        L_TMA=l_desc is not None, R_TMA=r_desc is not None, **cfg.launch_options())
+        routes.num_slots, num_tiles, l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0),
+        out_EMN.stride(1), GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        PADDED=padded, L_TMA=l_desc is not None, R_TMA=r_desc is not None,
+        OUT_TMA=dw_desc is not None, PERSISTENT=persistent, **cfg.launch_options())
     return out_EMN
+
+
+def _out_desc(out_EMN, cfg: GemmConfig, accumulate: bool):
+    """dW as one [E * M, N] store descriptor (boxes [BLOCK_M, BLOCK_N]) where STORE_TMA asks
+    for it and it fits: a box must not run past an expert's M rows, so M % BLOCK_M == 0; an
+    accumulating launch keeps the pointer store (it reads the tile first)."""
+    num_experts, m, n = out_EMN.shape
+    if not STORE_TMA or accumulate or m % cfg.block_m or not out_EMN.is_contiguous():
+        return None
+    if not tma.tma_available(out_EMN.device):
+        return None
+    flat = out_EMN.view(num_experts * m, n)
+    if not tma.matrix_fits(flat, (cfg.block_m, cfg.block_n)):
+        return None
+    return tma.descriptor(flat, (cfg.block_m, cfg.block_n))
 
 
 @triton.jit

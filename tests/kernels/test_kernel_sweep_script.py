@@ -19,13 +19,15 @@ def test_kernel_sweep_runs_on_the_cpu(tmp_path, monkeypatch):
     # both back after the test, whatever it does.
     monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", gl.FALLBACK_ON_ERROR)
     monkeypatch.setattr(wg, "PADDED_K", wg.PADDED_K)
+    monkeypatch.setattr(wg, "STORE_TMA", wg.STORE_TMA)
     monkeypatch.setattr(ks, "DEVICE", "cpu")
     for name, v in (("E", 6), ("H", 32), ("F", 16), ("K", 2)):
         monkeypatch.setattr(ks, name, v)
     out = tmp_path / "ks.json"
     monkeypatch.setattr(sys, "argv", ["kernel_sweep.py", "--tokens", "24", "--routing", "skewed",
                                       "--kernels", "dx,dact,wgrad_down,wgrad_gate_up",
-                                      "--candidates", "grouped_mm,presorted",
+                                      "--candidates",
+                                      "grouped_mm,presorted,persistent+tmastore",
                                       "--out", str(out)])
     ks.main()
     recs = [r for r in json.loads(out.read_text())["records"] if "kernel" in r
@@ -33,13 +35,15 @@ def test_kernel_sweep_runs_on_the_cpu(tmp_path, monkeypatch):
     assert {(r["kernel"], r["candidate"]) for r in recs} == {
         ("dx", "default"), ("dact", "default"), ("dact", "presorted"),
         ("wgrad_down", "default"), ("wgrad_down", "grouped_mm"), ("wgrad_down", "presorted"),
-        ("wgrad_gate_up", "default"), ("wgrad_gate_up", "grouped_mm"),
-        ("wgrad_gate_up", "presorted")}
+        ("wgrad_down", "persistent+tmastore"), ("wgrad_gate_up", "default"),
+        ("wgrad_gate_up", "grouped_mm"), ("wgrad_gate_up", "presorted"),
+        ("wgrad_gate_up", "persistent+tmastore")}
     for r in recs:
         assert "error" not in r, r
         assert r["deterministic"], r
         # torch's CPU grouped GEMM sums fp32 products in its own order (which depends on the
         # CPU's vector width): equal to the kernel's within rounding, not bitwise.
-        # The presorted paths read the same values in the same order: bitwise.
+        # The presorted, persistent and TMA-store paths sum the same values in the same
+        # order: bitwise.
         assert r["equal_default"] if r["candidate"] != "grouped_mm" else \
             r["max_abs_diff"] < 1e-6, r

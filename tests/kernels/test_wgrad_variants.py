@@ -95,6 +95,36 @@ def test_padded_k_loop_matches_the_masked_loop(case, tma, capacity_factor, monke
             assert torch.equal(g, w), f"{name} ({plan}): differs from the masked loop"
 
 
+@pytest.mark.parametrize("store_tma", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_persistent_and_tma_store_variants_are_bitwise_equal(case, store_tma, monkeypatch):
+    """One program an SM over the tiles and / or the TMA bulk store: the same values; every
+    element written (NaN before); the store by TMA exactly where M is a multiple of BLOCK_M."""
+    problem = _problem(case, None, "cpu", torch.float32, 16)
+    want = _both_dw(problem, CPU_CFG, True, monkeypatch)
+    monkeypatch.setattr(wg, "STORE_TMA", store_tma)
+    _, _, _, _, H, F = case
+    for persistent in (False, True):
+        got = _both_dw(problem, CPU_CFG._replace(persistent=persistent), True, monkeypatch)
+        for gather_l, (g, _), (w, _) in zip((True, False), got, want):
+            m = H if gather_l else 2 * F
+            assert wg.LAST_WGRAD_STORE[gather_l] == (persistent,
+                                                     store_tma and m % CPU_CFG.block_m == 0)
+            assert torch.equal(g, w), (gather_l, persistent, store_tma)
+
+
+def test_an_accumulating_launch_keeps_the_pointer_store(monkeypatch):
+    problem = _problem(CASES[3], None, "cpu", torch.float32, 16)
+    base = [torch.randn(t.shape) for t, _ in _both_dw(problem, CPU_CFG, True, monkeypatch)]
+    want = _both_dw(problem, CPU_CFG, True, monkeypatch, accumulate_onto=base)
+    monkeypatch.setattr(wg, "STORE_TMA", True)
+    got = _both_dw(problem, CPU_CFG._replace(persistent=True), True, monkeypatch,
+                   accumulate_onto=base)
+    assert wg.LAST_WGRAD_STORE[False] == (True, False)
+    for (g, _), (w, _) in zip(got, want):
+        assert torch.equal(g, w)
+
+
 def test_padded_loop_accumulates_like_the_masked_loop(monkeypatch):
     problem = _problem(CASES[3], None, "cpu", torch.float32, 16)
     base = [torch.randn(t.shape) for t, _ in _both_dw(problem, CPU_CFG, False, monkeypatch)]
@@ -144,6 +174,24 @@ def test_cuda_padded_and_tma_variants_are_bitwise_equal(case, tile, monkeypatch)
             assert (g[empty] == 0).all(), name
             assert torch.equal(g, w), (
                 f"{name} tma={tma}: max |diff| {(g.float() - w.float()).abs().max().item():.3e}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_persistent_and_tma_store_variants_are_bitwise_equal(case, monkeypatch):
+    _, T, k, E, H, F = case
+    block = route_block_m(T * k, E, torch.device("cuda"))
+    problem = _problem(case, None, "cuda", torch.bfloat16, block)
+    for tile in (wg.wgrad_config(F, torch.device("cuda"), T * k / E),
+                 wg.wgrad_config(H, torch.device("cuda"), T * k / E, slot_order_l=True)):
+        want = _both_dw(problem, tile, True, monkeypatch)
+        for persistent, store in ((True, False), (False, True), (True, True)):
+            monkeypatch.setattr(wg, "STORE_TMA", store)
+            got = _both_dw(problem, tile._replace(persistent=persistent), True, monkeypatch)
+            torch.cuda.synchronize()
+            for gather_l, (g, _), (w, _) in zip((True, False), got, want):
+                assert wg.LAST_WGRAD_STORE[gather_l][0] == persistent
+                assert torch.equal(g, w), (tile, gather_l, persistent, store)
 
 
 @pytest.mark.parametrize("T", [8192, 32768])
