@@ -29,7 +29,6 @@ from common import default_out, environment, error_text, write_json
 from experts import make_routing
 
 E, H, F, K = 128, 2048, 768, 8
-STORE_DEFAULT = False  # wgrad.STORE_TMA as the product has it, read by main()
 DEVICE = "cuda"  # tests of this script run it on the CPU (interpreter) at small sizes
 
 
@@ -53,11 +52,12 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
             cap = "" if t.maxnreg is None else f"+r{t.maxnreg}"
             out += [(f"{'x'.join(map(str, t[:6]))}{cap}", t, True),
                     (f"{'x'.join(map(str, t[:6]))}+tma{cap}", t._replace(tma=True), True)]
-        # The default tile persistent (one program an SM) and / or written by a TMA store
-        # (`tmastore`: wgrad.STORE_TMA set for the launch; the others run without it, the
-        # default as the product does).
-        out += [("persistent", d._replace(persistent=True), True), ("tmastore", d, True),
-                ("persistent+tmastore", d._replace(persistent=True), True)]
+        # The default tile neither persistent (one program an SM) nor written by a TMA store,
+        # either, and both.
+        plain = d._replace(persistent=False, store_tma=False)
+        out += [("plain", plain, True), ("persistent", plain._replace(persistent=True), True),
+                ("tmastore", plain._replace(store_tma=True), True),
+                ("persistent+tmastore", plain._replace(persistent=True, store_tma=True), True)]
         # Not a product path: the gathered operand copied to slot order, then torch's
         # K-grouped _grouped_mm over the padded segments (the copy is timed with it).
         out.append(("grouped_mm", d._replace(tma=False), False))
@@ -205,7 +205,6 @@ def runner(kernel: str, name: str, cfg, padded: bool, t: dict):
 
         def launch():
             wg.PADDED_K = padded
-            wg.STORE_TMA = name.endswith("tmastore") or (name == "default" and STORE_DEFAULT)
             wg.expert_wgrad(l_rows, r_rows, r, out, *gather, cfg)
         return launch, [out]
     if kernel == "fc1":
@@ -263,8 +262,6 @@ def main() -> None:
     import moegraph_kernels.wgrad as wg
     gl.FALLBACK_ON_ERROR = False
     padded_default = wg.PADDED_K
-    global STORE_DEFAULT
-    STORE_DEFAULT = wg.STORE_TMA
     only = set(filter(None, args.candidates.split(",")))
     doc = {**environment(DEVICE == "cuda"), "shape": dict(E=E, H=H, F=F, k=K), "records": []}
     for T in map(int, args.tokens.split(",")):
@@ -317,7 +314,7 @@ def main() -> None:
                         rec["ran"] = str(plan)
                     except Exception as exc:  # recorded; the sweep goes on
                         rec["error"] = error_text(exc)
-                    wg.PADDED_K, wg.STORE_TMA = padded_default, STORE_DEFAULT
+                    wg.PADDED_K = padded_default
                     doc["records"].append(rec)
                     write_json(args.out, doc)
                     print(f"T={T:6d} {routing:8s} {kernel:14s} {name:34s} "

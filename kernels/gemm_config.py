@@ -101,6 +101,8 @@ class GemmConfig(NamedTuple):
     # A register cap a thread (ptxas .maxnreg, Triton's `maxnreg`): at 128, two 8-warp CTAs
     # fit an SM's 64 K registers where their shared memory fits too. None: ptxas decides.
     maxnreg: int | None = None
+    # wgrad: the dW tile leaves by a TMA bulk store (kernels/wgrad.py). Others ignore it.
+    store_tma: bool = False
 
     def launch_options(self) -> dict:
         """The launch keywords of the tile: warps, stages, and the register cap if set."""
@@ -111,7 +113,8 @@ class GemmConfig(NamedTuple):
 
     @property
     def variant(self) -> str:
-        """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat', '+tail'."""
+        """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat', '+tail',
+        '+pair', '+rN', '+store'."""
         parts = (["tma"] if self.tma else []) + (["persistent"] if self.persistent else [])
         if self.persistent and self.warp_specialize:
             parts.append("ws")
@@ -123,6 +126,8 @@ class GemmConfig(NamedTuple):
             parts.append("pair")
         if self.maxnreg is not None:
             parts.append(f"r{self.maxnreg}")
+        if self.store_tma:
+            parts.append("store")
         return "+".join(parts) or "base"
 
     def with_variant(self, name: str) -> GemmConfig:
@@ -130,16 +135,17 @@ class GemmConfig(NamedTuple):
         `variant` property's spelling)."""
         parts = set(name.split("+")) - {"base"}
         caps = {p for p in parts if p[:1] == "r" and p[1:].isdigit()}
-        unknown = parts - caps - {"tma", "persistent", "ws", "noflat", "tail", "pair"}
+        unknown = parts - caps - {"tma", "persistent", "ws", "noflat", "tail", "pair", "store"}
         if unknown or len(caps) > 1:
             bad = sorted(unknown)[0] if unknown else sorted(caps)[1]
             raise ValueError(f"GemmConfig: unknown variant part {bad!r} in {name!r}; parts "
-                             "are tma, persistent, ws, noflat, tail, pair and one rN (a "
-                             "register cap)")
+                             "are tma, persistent, ws, noflat, tail, pair, store and one rN "
+                             "(a register cap)")
         return self._replace(tma="tma" in parts, persistent="persistent" in parts,
                              warp_specialize="ws" in parts, flatten="noflat" not in parts,
                              split_tail="tail" in parts, paired="pair" in parts,
-                             maxnreg=int(next(iter(caps))[1:]) if caps else None)
+                             maxnreg=int(next(iter(caps))[1:]) if caps else None,
+                             store_tma="store" in parts)
 
 
 def route_block_m(num_routes: int, num_experts: int, device: torch.device) -> int:

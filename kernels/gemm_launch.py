@@ -8,7 +8,7 @@
   launch of half-height tiles over the experts' short last blocks (slot_schedule.py).
 - `with_fallback`: on a GPU, a variant whose kernel fails to compile or launch is remembered
   (`_FAILED_VARIANTS`), warned about once and replaced by the pointer path (unless
-  `FALLBACK_ON_ERROR` is False); `_fitted` lowers the pipeline stages where shared memory
+  `FALLBACK_ON_ERROR` is False); `fitted` lowers the pipeline stages where shared memory
   cannot hold the config's, for a variant before it falls back and for the pointer path.
 - `LAST_PLAN`: the Plan of the latest launch of each kernel, for tests and benchmarks.
 Tests and benchmarks set this module's state (FALLBACK_ON_ERROR, LAST_PLAN, _FAILED_VARIANTS,
@@ -108,19 +108,19 @@ def with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: t
     base = cfg._replace(tma=False, persistent=False, warp_specialize=False, split_tail=False,
                         paired=False)
     if cfg == base or device.type != "cuda" or not FALLBACK_ON_ERROR:
-        return _fitted(name, cfg, shape_key, launch) if device.type == "cuda" else launch(cfg)
+        return fitted(name, cfg, shape_key, launch) if device.type == "cuda" else launch(cfg)
     key = (name, cfg, shape_key)
     if key not in _FAILED_VARIANTS:
         try:
             # Shared memory over the limit (fp32 operands: twice a stage's bytes) first costs
             # the variant pipeline stages, as it does the pointer path.
-            return _fitted(name, cfg, shape_key, launch)
+            return fitted(name, cfg, shape_key, launch)
         except Exception as exc:  # a compile or launch failure of the variant: see above
             lines = str(exc).strip().splitlines()
             _FAILED_VARIANTS[key] = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
             warnings.warn(f"{name}: the {cfg.variant} variant of {tuple(cfg)[:6]} failed "
                           f"({_FAILED_VARIANTS[key]}); using the pointer path", RuntimeWarning)
-    out = _fitted(name, base, shape_key, launch)
+    out = fitted(name, base, shape_key, launch)
     LAST_PLAN[name] = LAST_PLAN[name]._replace(fallback=_FAILED_VARIANTS[key])
     return out
 
@@ -128,7 +128,7 @@ def with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: t
 _FITTED_STAGES: dict = {}  # (name, cfg, shape_key) -> the stage count that fits
 
 
-def _fitted(name: str, cfg: GemmConfig, shape_key: tuple, launch):
+def fitted(name: str, cfg: GemmConfig, shape_key: tuple, launch):
     """launch(cfg), with fewer pipeline stages where the GPU's shared memory cannot hold
     cfg's (the tiles are chosen for 2-byte operands; fp32 ones need twice the bytes a
     stage). The same shapes always get the same stage count, so results stay repeatable."""

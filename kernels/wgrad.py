@@ -25,8 +25,8 @@ Layout contract (S slots, E experts, see route_align.py):
   expert's L and R rows are reused from L2. The sum order is fixed: bitwise repeatable.
 - Variants that change no value (each tile sums the same terms in the same order):
   `GemmConfig.persistent`, one program an SM walking the tiles in that order (each tile's K
-  loop pipelined as before); `STORE_TMA`, the tile written by a TMA bulk store (where M is a
-  multiple of BLOCK_M and the launch does not accumulate).
+  loop pipelined as before); `GemmConfig.store_tma`, the tile written by a TMA bulk store
+  (where M is a multiple of BLOCK_M, dW is 2-byte and the launch does not accumulate).
 
 Bias gradients (`expert_bias_grad`), the same ownership and the same slot range:
 db[e, n] = sum over the real slots s of expert e of scale(s) * R[row_R(s), n], with scale 1
@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemm_launch as gl
 from . import tma
 from .env import flag_from_env
 from .gemm_config import GemmConfig, tile_from_env
@@ -65,12 +66,13 @@ PADDED_K = flag_from_env("MOEGRAPH_WGRAD_PADDED", True)
 LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool]] = {}
 LAST_WGRAD_STORE: dict[bool, tuple[bool, bool]] = {}
 
-# dW tiles leave by a TMA bulk store where it fits (MOEGRAPH_WGRAD_TMA_STORE=1; `_out_desc`).
-# `GemmConfig.persistent` runs one program an SM over the tiles (each tile's K loop as
-# before). Neither changes a value: the same terms summed in the same order.
-STORE_TMA = flag_from_env("MOEGRAPH_WGRAD_TMA_STORE", False)
-# The long-loop tiles of `wgrad_config` run persistent (MOEGRAPH_WGRAD_PERSISTENT=1).
-PERSISTENT = flag_from_env("MOEGRAPH_WGRAD_PERSISTENT", False)
+# The long-loop tiles' two variants (`wgrad_config`): `GemmConfig.persistent`, one program an
+# SM over the tiles (each tile's K loop as before), and `GemmConfig.store_tma`, the tile
+# written by a TMA bulk store where it fits (`_out_desc`). Neither changes a value: the same
+# terms summed in the same order. MOEGRAPH_WGRAD_PERSISTENT / MOEGRAPH_WGRAD_TMA_STORE = 0 or
+# 1 force them off or on (A/B runs); unset, the config's choice.
+PERSISTENT = flag_from_env("MOEGRAPH_WGRAD_PERSISTENT", None)
+STORE_TMA = flag_from_env("MOEGRAPH_WGRAD_TMA_STORE", None)
 
 
 def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None = None,
@@ -99,10 +101,29 @@ def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None =
         # / 4.316 and 0.606 / 0.616 / 2.136 ms for the masked 128 x 128 x 32 x 5-stage
         # pointer tile of before (its `masked` rows in kernel_sweep_8192.json and
         # kernel_sweep_ends.json). At 128 x 128 x 64, four stages ran slower than three.
-        wide = GemmConfig(256, 128, 64, 4, 8, 3, tma=True, persistent=PERSISTENT)
-        return wide if slot_order_l else wide._replace(block_m=128, block_n=256)
+        wide = GemmConfig(256, 128, 64, 4, 8, 3, tma=True)
+        # Persistent, the tile by a TMA store (benchmarks/kernel_sweep.py on the H200,
+        # results/kernel_sweep_wgrad_store.json, uniform / skewed): dW_down 0.497 / 0.538 ->
+        # 0.421 / 0.442 ms at T = 8192 and 1.546 / 1.495 -> 1.425 / 1.508 at 32768; dW_gate_up
+        # 1.011 / 1.001 -> 0.930 / 0.959 at 8192 with the store, but at 32768 3.264 / 3.270
+        # -> 3.142 / 3.207 persistent alone against 3.153 / 3.432 with it: its store is kept
+        # to the shorter loops (at most 1024 slots an expert).
+        if slot_order_l:
+            store = routes_per_expert is None or routes_per_expert <= 1024
+            return _forced(wide._replace(persistent=True, store_tma=store))
+        return _forced(wide._replace(block_m=128, block_n=256, persistent=True,
+                                     store_tma=True))
     # Narrow weights: 128 x 64 x 32, 5 stages (the sweep of benchmarks/moe_experts.py).
     return GemmConfig(128, 64, 32, 8, 4, 5)
+
+
+def _forced(cfg: GemmConfig) -> GemmConfig:
+    """cfg with MOEGRAPH_WGRAD_PERSISTENT / MOEGRAPH_WGRAD_TMA_STORE applied where set."""
+    if PERSISTENT is not None:
+        cfg = cfg._replace(persistent=PERSISTENT)
+    if STORE_TMA is not None:
+        cfg = cfg._replace(store_tma=STORE_TMA)
+    return cfg
 
 
 @triton.jit
@@ -236,25 +257,36 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     persistent = cfg.persistent and tma.persistent_available()
     LAST_WGRAD_STORE[gather_l] = (persistent, dw_desc is not None)
     grid = (min(num_tiles, tma.num_programs(l_rows.device)) if persistent else num_tiles,)
-    _expert_wgrad_kernel[grid](
-        l_rows, r_rows, l_rows if l_desc is None else l_desc,
-        r_rows if r_desc is None else r_desc, out_EMN,
-        out_EMN if dw_desc is None else dw_desc, routes.slot_token,
-        routes.expert_starts, routes.expert_counts, m, n, routes.token_slots.shape[0],
-        routes.num_slots, num_tiles, l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0),
-        out_EMN.stride(1), GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        PADDED=padded, L_TMA=l_desc is not None, R_TMA=r_desc is not None,
-        OUT_TMA=dw_desc is not None, PERSISTENT=persistent, **cfg.launch_options())
+
+    def launch(c):
+        _expert_wgrad_kernel[grid](
+            l_rows, r_rows, l_rows if l_desc is None else l_desc,
+            r_rows if r_desc is None else r_desc, out_EMN,
+            out_EMN if dw_desc is None else dw_desc, routes.slot_token,
+            routes.expert_starts, routes.expert_counts, m, n, routes.token_slots.shape[0],
+            routes.num_slots, num_tiles, l_rows.stride(0), r_rows.stride(0), out_EMN.stride(0),
+            out_EMN.stride(1), GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            PADDED=padded, L_TMA=l_desc is not None, R_TMA=r_desc is not None,
+            OUT_TMA=dw_desc is not None, PERSISTENT=persistent, **c.launch_options())
+
+    if not l_rows.is_cuda:
+        launch(cfg)
+    else:  # fp32 operands need twice a stage's shared memory: fewer stages, same sums
+        gl.fitted("wgrad", cfg, (l_rows.dtype, m, n, gather_l, dw_desc is not None), launch)
     return out_EMN
 
 
 def _out_desc(out_EMN, cfg: GemmConfig, accumulate: bool):
-    """dW as one [E * M, N] store descriptor (boxes [BLOCK_M, BLOCK_N]) where STORE_TMA asks
+    """dW as one [E * M, N] store descriptor (boxes [BLOCK_M, BLOCK_N]) where the config asks
     for it and it fits: a box must not run past an expert's M rows, so M % BLOCK_M == 0; an
-    accumulating launch keeps the pointer store (it reads the tile first)."""
+    accumulating launch keeps the pointer store (it reads the tile first); so does a 4-byte
+    dW on a GPU, whose staging tile would not fit beside the pipeline in shared memory (the
+    interpreter has no such limit, so the CPU tests run the store in fp32)."""
     num_experts, m, n = out_EMN.shape
-    if not STORE_TMA or accumulate or m % cfg.block_m or not out_EMN.is_contiguous():
+    if not cfg.store_tma or accumulate or m % cfg.block_m or not out_EMN.is_contiguous():
+        return None
+    if out_EMN.is_cuda and out_EMN.element_size() > 2:
         return None
     if not tma.tma_available(out_EMN.device):
         return None

@@ -19,7 +19,6 @@ def test_kernel_sweep_runs_on_the_cpu(tmp_path, monkeypatch):
     # both back after the test, whatever it does.
     monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", gl.FALLBACK_ON_ERROR)
     monkeypatch.setattr(wg, "PADDED_K", wg.PADDED_K)
-    monkeypatch.setattr(wg, "STORE_TMA", wg.STORE_TMA)
     monkeypatch.setattr(ks, "DEVICE", "cpu")
     for name, v in (("E", 6), ("H", 32), ("F", 16), ("K", 2)):
         monkeypatch.setattr(ks, name, v)

@@ -132,11 +132,13 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
         cfg.with_variant("r128+r96")
     # the product's choice (moe/experts.tile_configs), measured on the H200
     big, small = ("tma+persistent+pair", "tma+pair") if gc.FC1_PAIRED else ("tma", "tma")
-    for routes, variants in ((8192 * 8, (big, "tma+persistent", "base", "tma")),
-                             (1024 * 8, (small, "base", "base", "tma+persistent"))):
+    # dW: the slot-order side by TMA; the long loops persistent with the tile stored by TMA
+    for routes, variants, dw in ((8192 * 8, (big, "tma+persistent", "base", "tma"),
+                                  "tma+persistent+store"),
+                                 (1024 * 8, (small, "base", "base", "tma+persistent"), "tma")):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
         assert tuple(c.variant for c in chosen[1:5]) == variants
-        assert all(c.variant == "tma" for c in chosen[5:])  # dW: the slot-order side by TMA
+        assert all(c.variant == dw for c in chosen[5:]), [c.variant for c in chosen[5:]]
 
 
 @pytest.mark.parametrize("paired", [False, True])
@@ -155,7 +157,7 @@ def test_fc1_default_tiles_by_slot_block():
     of 64, FC2 four stages."""
     cuda = torch.device("cuda")
     assert tuple(gc.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
-                                                    False, False, False, None)
+                                                    False, False, False, None, False)
     assert tuple(gc.fc1_config(768, 64, cuda))[:6] == (64, 128, 32, 8, 4, 5)
     assert gc.fc1_config(1408, 128, cuda).block_n == 128  # 1408 = 11 x 128
     assert tuple(gc.fc2_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 4)

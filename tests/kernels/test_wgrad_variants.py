@@ -102,10 +102,10 @@ def test_persistent_and_tma_store_variants_are_bitwise_equal(case, store_tma, mo
     element written (NaN before); the store by TMA exactly where M is a multiple of BLOCK_M."""
     problem = _problem(case, None, "cpu", torch.float32, 16)
     want = _both_dw(problem, CPU_CFG, True, monkeypatch)
-    monkeypatch.setattr(wg, "STORE_TMA", store_tma)
     _, _, _, _, H, F = case
     for persistent in (False, True):
-        got = _both_dw(problem, CPU_CFG._replace(persistent=persistent), True, monkeypatch)
+        cfg = CPU_CFG._replace(persistent=persistent, store_tma=store_tma)
+        got = _both_dw(problem, cfg, True, monkeypatch)
         for gather_l, (g, _), (w, _) in zip((True, False), got, want):
             m = H if gather_l else 2 * F
             assert wg.LAST_WGRAD_STORE[gather_l] == (persistent,
@@ -117,9 +117,8 @@ def test_an_accumulating_launch_keeps_the_pointer_store(monkeypatch):
     problem = _problem(CASES[3], None, "cpu", torch.float32, 16)
     base = [torch.randn(t.shape) for t, _ in _both_dw(problem, CPU_CFG, True, monkeypatch)]
     want = _both_dw(problem, CPU_CFG, True, monkeypatch, accumulate_onto=base)
-    monkeypatch.setattr(wg, "STORE_TMA", True)
-    got = _both_dw(problem, CPU_CFG._replace(persistent=True), True, monkeypatch,
-                   accumulate_onto=base)
+    got = _both_dw(problem, CPU_CFG._replace(persistent=True, store_tma=True), True,
+                   monkeypatch, accumulate_onto=base)
     assert wg.LAST_WGRAD_STORE[False] == (True, False)
     for (g, _), (w, _) in zip(got, want):
         assert torch.equal(g, w)
@@ -184,14 +183,53 @@ def test_cuda_persistent_and_tma_store_variants_are_bitwise_equal(case, monkeypa
     problem = _problem(case, None, "cuda", torch.bfloat16, block)
     for tile in (wg.wgrad_config(F, torch.device("cuda"), T * k / E),
                  wg.wgrad_config(H, torch.device("cuda"), T * k / E, slot_order_l=True)):
-        want = _both_dw(problem, tile, True, monkeypatch)
+        plain = tile._replace(persistent=False, store_tma=False)
+        want = _both_dw(problem, plain, True, monkeypatch)
         for persistent, store in ((True, False), (False, True), (True, True)):
-            monkeypatch.setattr(wg, "STORE_TMA", store)
-            got = _both_dw(problem, tile._replace(persistent=persistent), True, monkeypatch)
+            cfg = plain._replace(persistent=persistent, store_tma=store)
+            got = _both_dw(problem, cfg, True, monkeypatch)
             torch.cuda.synchronize()
             for gather_l, (g, _), (w, _) in zip((True, False), got, want):
                 assert wg.LAST_WGRAD_STORE[gather_l][0] == persistent
-                assert torch.equal(g, w), (tile, gather_l, persistent, store)
+                assert torch.isfinite(g).all(), (cfg, gather_l)
+                assert torch.equal(g, w), (cfg, gather_l)
+
+
+@pytest.mark.cuda
+def test_cuda_fp32_dw_keeps_the_pointer_store_and_fits_its_stages(monkeypatch):
+    """A 4-byte dW's staging tile would not fit beside the pipeline: the pointer store, and
+    the long-loop tile's stages lowered until shared memory holds them (the same sums)."""
+    case = GPU_SHAPES[3]
+    _, T, k, E, H, F = case
+    problem = _problem(case, None, "cuda", torch.float32, 128)
+    tile = wg.wgrad_config(H, torch.device("cuda"), T * k / E, slot_order_l=True)
+    got = _both_dw(problem, tile._replace(store_tma=True), True, monkeypatch)
+    want = _both_dw(problem, tile._replace(persistent=False, store_tma=False), True,
+                    monkeypatch)
+    torch.cuda.synchronize()
+    for gather_l, (g, _), (w, _) in zip((True, False), got, want):
+        assert wg.LAST_WGRAD_STORE[gather_l][1] is False
+        assert torch.equal(g, w), gather_l
+
+
+def test_long_loop_tiles_run_persistent_and_store_by_tma_as_measured(monkeypatch):
+    """dW_down always; dW_gate_up's TMA store only up to 1024 slots an expert (the H200
+    sweep); MOEGRAPH_WGRAD_PERSISTENT / _TMA_STORE (read into PERSISTENT / STORE_TMA) force
+    either, and the short-loop tile keeps neither."""
+    monkeypatch.setattr(wg, "PERSISTENT", None)
+    monkeypatch.setattr(wg, "STORE_TMA", None)
+    cuda = torch.device("cuda")
+    down, up = wg.wgrad_config(768, cuda, 512), wg.wgrad_config(2048, cuda, 512, True)
+    assert (down.persistent, down.store_tma, up.persistent, up.store_tma) == (True,) * 4
+    up_long = wg.wgrad_config(2048, cuda, 2048, True)
+    assert up_long.persistent and not up_long.store_tma
+    short = wg.wgrad_config(768, cuda, 64)
+    assert not short.persistent and not short.store_tma
+    monkeypatch.setattr(wg, "PERSISTENT", False)
+    monkeypatch.setattr(wg, "STORE_TMA", True)
+    forced = wg.wgrad_config(2048, cuda, 2048, True)
+    assert not forced.persistent and forced.store_tma
+    assert forced._replace(persistent=True, store_tma=False) == up_long
 
 
 @pytest.mark.parametrize("T", [8192, 32768])
