@@ -55,7 +55,8 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         # The default tile neither persistent (one program an SM) nor written by a TMA store,
         # either, and both.
         plain = d._replace(persistent=False, store_tma=False)
-        out += [("plain", plain, True), ("persistent", plain._replace(persistent=True), True),
+        out += [("plain", plain, True)] if plain != d else []
+        out += [("persistent", plain._replace(persistent=True), True),
                 ("tmastore", plain._replace(store_tma=True), True),
                 ("persistent+tmastore", plain._replace(persistent=True, store_tma=True), True)]
         # Not a product path: the gathered operand copied to slot order, then torch's
@@ -104,7 +105,6 @@ def all_candidates(kernel: str, block: int, defaults) -> list[tuple[str, object,
         d = getattr(defaults, kernel)
         out += [("presorted", d, True), ("presorted_nocopy", d, True)]
     return out
-
 
 
 def slot_order(rows, routes):
