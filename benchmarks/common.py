@@ -142,6 +142,48 @@ def throughput_ms(fn, reps: int, rounds: int = 5, warmup: int = 2) -> float:
     return statistics.median(per_round)
 
 
+def sm_clock_reader():
+    """A callable giving the GPU's SM clock (MHz) now, from NVML; None where NVML is missing."""
+    try:
+        import pynvml
+        import torch
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+    except Exception:  # noqa: BLE001 - no NVML: the timings still count
+        return None
+    return lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+
+
+def interleaved_ms(fns: dict, reps: int, rounds: int = 5, warmup: int = 2) -> dict:
+    """throughput_ms of each fn, their rounds interleaved (round r runs every fn in turn, the
+    order rotated by r), so that a GPU whose clock drifts as it warms under its power cap
+    does not favour whichever fn is timed first. {name: {"ms": median, "sm_mhz": median SM
+    clock sampled while each round ran (None without NVML)}}."""
+    import torch
+    clock = sm_clock_reader()
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    torch.cuda.synchronize()
+    ms = {n: [] for n in names}
+    mhz = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(reps):
+                fns[name]()
+            e.record()
+            if clock is not None:  # the host is ahead of the GPU here: it is running them
+                mhz[name].append(clock())
+            torch.cuda.synchronize()
+            ms[name].append(s.elapsed_time(e) / reps)
+    return {n: {"ms": statistics.median(ms[n]),
+                "sm_mhz": statistics.median(mhz[n]) if mhz[n] else None} for n in names}
+
+
 def capture_graph(fn):
     """fn captured in one CUDA graph, after three warm-up calls on a side stream."""
     import torch

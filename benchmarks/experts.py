@@ -3,8 +3,8 @@ CUDA-graphed, in TFLOP/s.
 
     python3 benchmarks/experts.py [--shapes qwen3,mixtral,deepseek-v3-64e]
         [--tokens 1024,8192,32768] [--routing uniform,skewed] [--skew 0.25]
-        [--impls permute_free,grouped_mm_baseline] [--no-graph] [--check] [--kernels]
-        [--out PATH]
+        [--impls permute_free,grouped_mm_baseline] [--no-graph] [--sequential] [--check]
+        [--kernels] [--out PATH]
 
 What is compared: moegraph's permute-free experts (`moegraph_cli.moe.experts.permute_free_moe`:
 the route list built on the device, FC1 + SwiGLU gathering token rows by slot, FC2, a
@@ -18,6 +18,10 @@ How, per (shape, T, routing, impl):
   such rounds after warm-up; bwd = (fwd+bwd) - fwd;
 - graphed fwd and fwd+bwd: one call captured in a CUDA graph (the backward as autograd.grad
   into fresh buffers, as a captured backward does), replayed back to back, the same medians;
+- the four timings' rounds interleaved (round r runs each in turn, the order rotated by r),
+  each with the median SM clock NVML read while its rounds ran (`sm_mhz`): under its power
+  cap the GPU's clock drifts as it warms, so that timed one after another (`--sequential`,
+  the method of the results made before this option) the drift favours whichever ran first;
 - TFLOP/s from useful FLOPs only: forward 2 N H 3F with N = T k routes (padding rows not
   counted), backward twice that;
 - peak memory of one eager fwd+bwd above what the inputs hold.
@@ -32,7 +36,8 @@ that fails is an error, not a slower figure; each record names the kernel varian
 (`kernel_plans`).
 --check first compares both impls' outputs and gradients with an fp32 reference on a small
 case with skewed routing (exit 1 if the permute-free path is more than 2e-2 off, relative).
---kernels adds the profiler's GPU ms per kernel of one eager fwd+bwd (where the time goes).
+--kernels adds the profiler's GPU ms per kernel of one eager fwd+bwd (where the time goes),
+and of one replay of the graphed fwd+bwd.
 
 Writes experts.json (--out; default $OUT/experts.json, else benchmarks/results/experts.json).
 """
@@ -43,8 +48,8 @@ import argparse
 import math
 import sys
 
-from common import (capture_graph, default_out, environment, error_text, kernel_ms,
-                    throughput_ms, write_json)
+from common import (capture_graph, default_out, environment, error_text, interleaved_ms,
+                    kernel_ms, throughput_ms, write_json)
 
 SHAPES = {  # name: (experts E, hidden H, expert ffn F, top k)
     "qwen3": (128, 2048, 768, 8),
@@ -133,8 +138,9 @@ def leaves_of(args):
     return [args[0], args[2], args[3], args[4]]
 
 
-def time_case(fn, args, dout, reps, rounds, graphs) -> dict:
-    """Eager and graphed ms of fwd and fwd+bwd, and the eager fwd+bwd peak."""
+def time_case(fn, args, dout, reps, rounds, graphs, interleave=True) -> dict:
+    """Eager and graphed ms of fwd and fwd+bwd (with `interleave`, their rounds interleaved,
+    each with the median SM clock it ran at), and the eager fwd+bwd peak."""
     import torch
     leaves = leaves_of(args)
 
@@ -143,8 +149,10 @@ def time_case(fn, args, dout, reps, rounds, graphs) -> dict:
             t.grad = None
         fn(*args).backward(dout)
 
-    out = {"fwd_ms": throughput_ms(lambda: fn(*args), reps, rounds),
-           "fwd_bwd_ms": throughput_ms(fwd_bwd, reps, rounds)}
+    bodies = {"fwd_ms": lambda: fn(*args), "fwd_bwd_ms": fwd_bwd}
+    out = {}
+    if not interleave:
+        out.update({key: throughput_ms(body, reps, rounds) for key, body in bodies.items()})
     for t in leaves:
         t.grad = None
     torch.cuda.synchronize()
@@ -155,18 +163,25 @@ def time_case(fn, args, dout, reps, rounds, graphs) -> dict:
     out["peak_bytes"] = torch.cuda.max_memory_allocated() - base
     for t in leaves:
         t.grad = None
-    if not graphs:
-        return out
     for key, body in (("graph_fwd_ms", lambda: fn(*args)),
                       ("graph_fwd_bwd_ms", lambda: torch.autograd.grad(fn(*args), leaves, dout))):
+        if not graphs:
+            break
         try:
             graph = capture_graph(body)
-            out[key] = throughput_ms(graph.replay, reps, rounds)
+            if interleave:
+                bodies[key] = graph.replay
+            else:
+                out[key] = throughput_ms(graph.replay, reps, rounds)
             del graph
         except Exception as exc:  # noqa: BLE001 - a path that cannot be captured: say why
             out[key] = None
             out.setdefault("graph_error", error_text(exc))
             torch.cuda.synchronize()
+    if interleave:
+        timed = interleaved_ms(bodies, reps, rounds)
+        out.update({key: t["ms"] for key, t in timed.items()})
+        out["sm_mhz"] = {key: t["sm_mhz"] for key, t in timed.items()}
     return out
 
 
@@ -188,7 +203,8 @@ def run_case(shape, T, routing, impl, args_ns) -> dict:
         rec["load"] = load_stats(case[1], E)
         rec.update(reps=reps, rounds=args_ns.rounds)
         fn = impls()[impl]
-        rec.update(time_case(fn, case, dout, reps, args_ns.rounds, not args_ns.no_graph))
+        rec.update(time_case(fn, case, dout, reps, args_ns.rounds, not args_ns.no_graph,
+                             not args_ns.sequential))
         flops = fwd_flops(shape, T)
         for mode in ("", "graph_"):
             fwd, both = rec.get(mode + "fwd_ms"), rec.get(mode + "fwd_bwd_ms")
@@ -207,6 +223,11 @@ def run_case(shape, T, routing, impl, args_ns) -> dict:
                     t.grad = None
                 fn(*case).backward(dout)
             rec["kernels_ms"] = kernel_ms(once)
+            if not args_ns.no_graph:
+                leaves = leaves_of(case)
+                graph = capture_graph(lambda: torch.autograd.grad(fn(*case), leaves, dout))
+                rec["graph_kernels_ms"] = kernel_ms(graph.replay)
+                del graph
     except Exception as exc:  # noqa: BLE001 - OOM, a missing torch._grouped_mm: record it
         rec["error"] = error_text(exc)
     finally:
@@ -279,6 +300,9 @@ def main() -> None:
     ap.add_argument("--impls", default=",".join(IMPLS), help="comma list of %(default)s")
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds (median)")
     ap.add_argument("--no-graph", action="store_true", help="eager timings only")
+    ap.add_argument("--sequential", action="store_true",
+                    help="time eager fwd, fwd+bwd, graphed fwd, fwd+bwd one after another "
+                         "(the method before interleaved rounds)")
     ap.add_argument("--check", action="store_true", help="fp32-reference check first")
     ap.add_argument("--kernels", action="store_true", help="per-kernel GPU ms of a fwd+bwd")
     ap.add_argument("--out", default=str(default_out("experts.json")))
