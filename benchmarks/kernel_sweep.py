@@ -2,14 +2,19 @@
 
     python3 benchmarks/kernel_sweep.py [--tokens 1024,8192,32768] [--routing uniform,skewed]
         [--kernels fc1,fc2,dact,dx,wgrad_down,wgrad_gate_up] [--candidates NAME,...]
-        [--rounds 7] [--out PATH]
+        [--rounds 7] [--sequential] [--out PATH]
 
 Per (T, routing): the inputs of one layer (E = 128, k = 8, H = 2048, F = 768, bf16, weights
 N(0, 0.02), routing as benchmarks/experts.py draws it), the RouteList at the product's slot
 block, and the product's own FC1 and dA outputs (Y1, A, dY1) as every later kernel's inputs.
 Then per kernel and candidate: 10 launches into preallocated outputs captured in one CUDA
-graph, replayed `--rounds` times; the median ms per launch and TFLOP/s of useful FLOPs (no
-padding rows); whether two runs are bitwise equal on the rows it writes (`deterministic`)
+graph; after about 1 s of the default's replays (the power cap sets the clock), `--rounds`
+rounds in which each candidate's graph replays back to back for about 40 ms in turn, the
+order rotated a round, so that every candidate runs at the clock the others do; the median ms
+per launch, the SM clock it ran at (`sm_mhz`, NVML) and TFLOP/s of useful FLOPs (no padding
+rows). `--sequential`: the method of the results before this one, each candidate timed as it
+comes, one 10-launch replay a round, in bursts short enough to run at a clock the power cap
+has not yet lowered; whether two runs are bitwise equal on the rows it writes (`deterministic`)
 and whether the output equals the product default's (`equal_default`, with the max |diff|
 otherwise). The first candidate of each kernel is the product's default (`default: true`). A
 plain torch.mm of [T k, H] x [H, 2F] gives the dense bf16 ceiling on the same FLOPs
@@ -128,6 +133,8 @@ def flops(kernel: str, routes_n: int) -> int:
 
 
 def graph_ms(fn, rounds: int, launches: int = 10) -> float:
+    """Median ms a launch of `launches` launches captured in one graph, each round one replay
+    (the method of `--sequential`)."""
     import torch
     from common import capture_graph
     if DEVICE == "cpu":
@@ -145,6 +152,33 @@ def graph_ms(fn, rounds: int, launches: int = 10) -> float:
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) / launches)
     return statistics.median(times)
+
+
+def interleaved_graph_ms(fns: dict, rounds: int, launches: int = 10, burst_ms: float = 40.0,
+                         heat_ms: float = 1000.0) -> dict:
+    """{name: {"ms": per launch, "sm_mhz"}} for each fn: `launches` launches captured in one
+    graph, then, after about `heat_ms` of the first fn's replays (so that the power cap has
+    set the clock), `rounds` rounds in which every graph replays back to back for about
+    `burst_ms` in turn, the order rotated a round (common.interleaved_ms)."""
+    import time
+
+    import torch
+    from common import capture_graph, interleaved_ms
+    if DEVICE == "cpu":
+        for fn in fns.values():
+            fn()
+        return {n: {"ms": float("nan"), "sm_mhz": None} for n in fns}
+    graphs = {n: capture_graph(lambda fn=fn: [fn() for _ in range(launches)])
+              for n, fn in fns.items()}
+    first = next(iter(graphs.values()))
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < heat_ms:
+        first.replay()
+        torch.cuda.synchronize()
+    replay_ms = max(graph_ms(fn, 1, launches) for fn in fns.values()) * launches
+    reps = max(1, round(burst_ms / max(replay_ms, 1e-3)))
+    timed = interleaved_ms({n: g.replay for n, g in graphs.items()}, reps, rounds, warmup=1)
+    return {n: {"ms": t["ms"] / launches, "sm_mhz": t["sm_mhz"]} for n, t in timed.items()}
 
 
 def setup(T: int, routing: str, skew: float):
@@ -255,6 +289,9 @@ def main() -> None:
     ap.add_argument("--candidates", default="",
                     help="comma list of candidate names to run (default: all)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--sequential", action="store_true",
+                    help="time each candidate as it comes, one replay a round (the method "
+                         "before interleaved rounds)")
     ap.add_argument("--out", default=str(default_out("kernel_sweep.json")))
     args = ap.parse_args()
     import torch
@@ -271,12 +308,14 @@ def main() -> None:
             n = T * K
             a, b = torch.randn(n, H, device=DEVICE).to(t["x"].dtype), \
                 torch.randn(H, 2 * F, device=DEVICE).to(t["x"].dtype)
-            dense = graph_ms(lambda: torch.mm(a, b), args.rounds)
+            mm = lambda: torch.mm(a, b)  # noqa: E731
+            dense = graph_ms(mm, args.rounds) if args.sequential else \
+                interleaved_graph_ms({"dense_mm": mm}, args.rounds)["dense_mm"]["ms"]
             doc["records"].append(dict(T=T, routing=routing, kernel="dense_mm", ms=dense,
                                        tflops=2 * n * H * 2 * F / dense / 1e9))
             del a, b
             for kernel in args.kernels.split(","):
-                want = None
+                want, pending = None, {}
                 for name, cfg, padded in all_candidates(kernel, defaults.route_block,
                                                         defaults):
                     if only and name not in only and name != "default":
@@ -306,8 +345,10 @@ def main() -> None:
                         rec["equal_default"] = all(torch.equal(o, w) for o, w in pairs)
                         rec["max_abs_diff"] = max((o.float() - w).abs().max().item()
                                                   for o, w in pairs)
-                        rec["ms"] = graph_ms(launch, args.rounds)
-                        rec["tflops"] = flops(kernel, n) / rec["ms"] / 1e9
+                        if args.sequential:
+                            rec["ms"] = graph_ms(launch, args.rounds)
+                        else:
+                            pending[name] = launch
                         plan = gl.LAST_PLAN.get(kernel) if not kernel.startswith("wgrad") \
                             else (wg.LAST_WGRAD_PLAN.get(kernel == "wgrad_down"),
                                   wg.LAST_WGRAD_STORE.get(kernel == "wgrad_down"))
@@ -316,12 +357,23 @@ def main() -> None:
                         rec["error"] = error_text(exc)
                     wg.PADDED_K = padded_default
                     doc["records"].append(rec)
-                    write_json(args.out, doc)
-                    print(f"T={T:6d} {routing:8s} {kernel:14s} {name:34s} "
+                try:
+                    timed = interleaved_graph_ms(pending, args.rounds) if pending else {}
+                except Exception as exc:  # noqa: BLE001 - a capture that fails: say which kernel
+                    timed = {name: {"error": error_text(exc)} for name in pending}
+                wg.PADDED_K = padded_default
+                for rec in [r for r in doc["records"] if r.get("kernel") == kernel
+                            and r["T"] == T and r["routing"] == routing]:
+                    if rec["candidate"] in timed:
+                        rec.update(timed[rec["candidate"]])
+                    if "ms" in rec:
+                        rec["tflops"] = flops(kernel, n) / rec["ms"] / 1e9
+                    print(f"T={T:6d} {routing:8s} {kernel:14s} {rec['candidate']:34s} "
                           f"{rec.get('ms', float('nan')):7.3f} ms "
                           f"{rec.get('tflops', float('nan')):6.1f} TF/s "
                           f"eq={rec.get('equal_default')} det={rec.get('deterministic')} "
                           f"{rec.get('error', '')}", flush=True)
+                write_json(args.out, doc)
             del t
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()

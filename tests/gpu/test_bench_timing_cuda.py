@@ -40,3 +40,30 @@ def test_experts_time_case_interleaved(monkeypatch):
     keys = ("fwd_ms", "fwd_bwd_ms", "graph_fwd_ms", "graph_fwd_bwd_ms")
     assert all(out[k] > 0 for k in keys), out
     assert set(out["sm_mhz"]) == set(keys) and out["peak_bytes"] > 0
+
+
+def test_kernel_sweep_interleaved_on_the_gpu(tmp_path, monkeypatch):
+    """kernel_sweep.py at a small shape on the GPU: every candidate of the kernels asked for
+    is timed in the interleaved rounds, with the clock it ran at."""
+    import json
+    import sys
+    monkeypatch.syspath_prepend(str(BENCH))
+    import kernel_sweep as ks
+    import moegraph_kernels.gemm_launch as gl
+    import moegraph_kernels.wgrad as wg
+    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", gl.FALLBACK_ON_ERROR)
+    monkeypatch.setattr(wg, "PADDED_K", wg.PADDED_K)
+    for name, v in (("E", 8), ("H", 256), ("F", 128), ("K", 2)):
+        monkeypatch.setattr(ks, name, v)
+    out = tmp_path / "ks.json"
+    monkeypatch.setattr(sys, "argv", ["kernel_sweep.py", "--tokens", "256", "--routing",
+                                      "skewed", "--kernels", "dact,wgrad_down", "--candidates",
+                                      "persistent,tmastore", "--rounds", "2", "--out", str(out)])
+    ks.main()
+    recs = [r for r in json.loads(out.read_text())["records"] if r["kernel"] != "dense_mm"]
+    assert {(r["kernel"], r["candidate"]) for r in recs} == {
+        ("dact", "default"), ("wgrad_down", "default"), ("wgrad_down", "persistent"),
+        ("wgrad_down", "tmastore")}
+    for r in recs:
+        assert "error" not in r and r["ms"] > 0 and r["equal_default"], r
+        assert "sm_mhz" in r
