@@ -155,11 +155,29 @@ def sm_clock_reader():
     return lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
 
 
-def interleaved_ms(fns: dict, reps: int, rounds: int = 5, warmup: int = 2) -> dict:
-    """throughput_ms of each fn, their rounds interleaved (round r runs every fn in turn, the
-    order rotated by r), so that a GPU whose clock drifts as it warms under its power cap
-    does not favour whichever fn is timed first. {name: {"ms": median, "sm_mhz": median SM
-    clock sampled while each round ran (None without NVML)}}."""
+def round_orders(names: list, rounds: int, seed: int = 0) -> list[list]:
+    """The order of each round of interleaved_ms: round 0 as given, then a seeded shuffle a
+    round. Not a rotation: a rotation keeps every fn behind the same neighbour in every round,
+    and under a power cap a burst inherits the clock its predecessor left (two identical
+    kernels, 37 candidates rotated, measured 2-12% apart, results/NOTES.md)."""
+    import random
+    rng = random.Random(seed)
+    out = [list(names)]
+    for _ in range(1, rounds):
+        order = list(names)
+        rng.shuffle(order)
+        out.append(order)
+    return out
+
+
+def interleaved_ms(fns: dict, reps: int, rounds: int = 5, warmup: int = 2,
+                   lead=None) -> dict:
+    """throughput_ms of each fn, their rounds interleaved (round r runs every fn in turn, in
+    round_orders' order), so that a GPU whose clock drifts as it warms under its power cap does
+    not favour whichever fn is timed first. `lead`: a fn run `reps` times, untimed, before each
+    timed burst, so that every burst starts from the state the same predecessor leaves.
+    {name: {"ms": median, "sm_mhz": median SM clock sampled while each round ran (None
+    without NVML)}}."""
     import torch
     clock = sm_clock_reader()
     names = list(fns)
@@ -169,8 +187,10 @@ def interleaved_ms(fns: dict, reps: int, rounds: int = 5, warmup: int = 2) -> di
     torch.cuda.synchronize()
     ms = {n: [] for n in names}
     mhz = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    for order in round_orders(names, rounds):
+        for name in order:
+            for _ in range(reps if lead is not None else 0):
+                lead()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             for _ in range(reps):

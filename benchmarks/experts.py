@@ -18,7 +18,8 @@ How, per (shape, T, routing, impl):
   such rounds after warm-up; bwd = (fwd+bwd) - fwd;
 - graphed fwd and fwd+bwd: one call captured in a CUDA graph (the backward as autograd.grad
   into fresh buffers, as a captured backward does), replayed back to back, the same medians;
-- the four timings' rounds interleaved (round r runs each in turn, the order rotated by r),
+- the four timings' rounds interleaved (round r runs each in turn, the order shuffled a round,
+  common.round_orders),
   each with the median SM clock NVML read while its rounds ran (`sm_mhz`): under its power
   cap the GPU's clock drifts as it warms, so that timed one after another (`--sequential`,
   the method of the results made before this option) the drift favours whichever ran first;

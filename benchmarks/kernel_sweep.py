@@ -9,14 +9,17 @@ N(0, 0.02), routing as benchmarks/experts.py draws it), the RouteList at the pro
 block, and the product's own FC1 and dA outputs (Y1, A, dY1) as every later kernel's inputs.
 Then per kernel and candidate: 10 launches into preallocated outputs captured in one CUDA
 graph; after about 1 s of the default's replays (the power cap sets the clock), `--rounds`
-rounds in which each candidate's graph replays back to back for about 40 ms in turn, the
-order rotated a round, so that every candidate runs at the clock the others do; the median ms
-per launch, the SM clock it ran at (`sm_mhz`, NVML) and TFLOP/s of useful FLOPs (no padding
+rounds in which each candidate's graph replays back to back for about 40 ms in turn, each
+burst after as long a burst of the default's (untimed: every candidate then starts from the
+clock the same predecessor leaves), the order shuffled a round (common.round_orders); the
+median ms per launch, the SM clock it ran at (`sm_mhz`, NVML) and TFLOP/s of useful FLOPs (no padding
 rows). `--sequential`: the method of the results before this one, each candidate timed as it
 comes, one 10-launch replay a round, in bursts short enough to run at a clock the power cap
 has not yet lowered; whether two runs are bitwise equal on the rows it writes (`deterministic`)
 and whether the output equals the product default's (`equal_default`, with the max |diff|
-otherwise). The first candidate of each kernel is the product's default (`default: true`). A
+otherwise). The first candidate of each kernel is the product's default (`default: true`); the second,
+`twin`, is the same config again, its own graph and outputs: how far it lands from the
+default is the resolution of the run (`twin_ratio` on the default's record). A
 plain torch.mm of [T k, H] x [H, 2F] gives the dense bf16 ceiling on the same FLOPs
 (`dense_mm`). The kernels' fallback is off, so a variant that fails is an error, not a slower
 figure. Two candidates are not product paths: torch's `_grouped_mm` dW, and `presorted`
@@ -41,7 +44,7 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
     """(name, GemmConfig, padded) per candidate; the product's default first."""
     from moegraph_kernels.gemm_config import GemmConfig as G
     d = getattr(defaults, kernel)
-    out = [("default", d, True)]
+    out = [("default", d, True), ("twin", d, True)]
     if kernel.startswith("wgrad"):
         out.append(("masked", d._replace(tma=False), False))
         long = [G(128, 128, 32, 8, 8, 5), G(128, 128, 64, 4, 8, 3), G(128, 128, 64, 4, 8, 4),
@@ -90,7 +93,7 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
     for t in tiles:
         for v in variants:
             c = t.with_variant(v)
-            if c != d:
+            if c != d and c not in [o[1] for o in out[2:]]:
                 out.append((f"{'x'.join(map(str, c[:6]))}+{v}", c, True))
     return out
 
@@ -159,7 +162,8 @@ def interleaved_graph_ms(fns: dict, rounds: int, launches: int = 10, burst_ms: f
     """{name: {"ms": per launch, "sm_mhz"}} for each fn: `launches` launches captured in one
     graph, then, after about `heat_ms` of the first fn's replays (so that the power cap has
     set the clock), `rounds` rounds in which every graph replays back to back for about
-    `burst_ms` in turn, the order rotated a round (common.interleaved_ms)."""
+    `burst_ms` in turn, each burst led by as long a burst of the first fn's (untimed), the
+    order shuffled a round (common.interleaved_ms)."""
     import time
 
     import torch
@@ -177,7 +181,8 @@ def interleaved_graph_ms(fns: dict, rounds: int, launches: int = 10, burst_ms: f
         torch.cuda.synchronize()
     replay_ms = max(graph_ms(fn, 1, launches) for fn in fns.values()) * launches
     reps = max(1, round(burst_ms / max(replay_ms, 1e-3)))
-    timed = interleaved_ms({n: g.replay for n, g in graphs.items()}, reps, rounds, warmup=1)
+    timed = interleaved_ms({n: g.replay for n, g in graphs.items()}, reps, rounds, warmup=1,
+                           lead=first.replay)
     return {n: {"ms": t["ms"] / launches, "sm_mhz": t["sm_mhz"]} for n, t in timed.items()}
 
 
@@ -318,7 +323,7 @@ def main() -> None:
                 want, pending = None, {}
                 for name, cfg, padded in all_candidates(kernel, defaults.route_block,
                                                         defaults):
-                    if only and name not in only and name != "default":
+                    if only and name not in only and name not in ("default", "twin"):
                         continue
                     padded = padded and padded_default
                     rec = dict(T=T, routing=routing, kernel=kernel, candidate=name,
@@ -362,10 +367,14 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - a capture that fails: say which kernel
                     timed = {name: {"error": error_text(exc)} for name in pending}
                 wg.PADDED_K = padded_default
-                for rec in [r for r in doc["records"] if r.get("kernel") == kernel
-                            and r["T"] == T and r["routing"] == routing]:
+                mine = [r for r in doc["records"] if r.get("kernel") == kernel
+                        and r["T"] == T and r["routing"] == routing]
+                for rec in mine:
                     if rec["candidate"] in timed:
                         rec.update(timed[rec["candidate"]])
+                ms = {r["candidate"]: r.get("ms") for r in mine}
+                if ms.get("default") and ms.get("twin"):
+                    mine[0]["twin_ratio"] = ms["twin"] / ms["default"]
                     if "ms" in rec:
                         rec["tflops"] = flops(kernel, n) / rec["ms"] / 1e9
                     print(f"T={T:6d} {routing:8s} {kernel:14s} {rec['candidate']:34s} "

@@ -1,5 +1,6 @@
 """benchmarks/common.py's interleaved timer on a GPU: every fn runs its warm-up and then
-`reps` calls a round, the rounds' order rotated; experts.py's timing of one small case gives
+`reps` calls a round, the rounds' order shuffled (round_orders), each burst optionally led by
+an untimed one; experts.py's timing of one small case gives
 the four timings with the SM clock each ran at."""
 
 from pathlib import Path
@@ -11,9 +12,9 @@ pytestmark = pytest.mark.cuda
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_interleaved_rounds_rotate_and_count(monkeypatch):
+def test_interleaved_rounds_follow_round_orders_and_count(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
-    from common import interleaved_ms
+    from common import interleaved_ms, round_orders
     log = []
     x = torch.ones(256, device="cuda")
 
@@ -22,13 +23,15 @@ def test_interleaved_rounds_rotate_and_count(monkeypatch):
             log.append(name)
             x.mul_(1.0)
         return run
-    out = interleaved_ms({n: body(n) for n in "abc"}, reps=2, rounds=4, warmup=1)
+    out = interleaved_ms({n: body(n) for n in "abc"}, reps=2, rounds=4, warmup=1,
+                         lead=body("L"))
     assert set(out) == set("abc") and all(v["ms"] > 0 for v in out.values())
     assert log[:3] == list("abc")  # the warm-ups
-    rounds = [log[3 + 6 * r: 3 + 6 * (r + 1)] for r in range(4)]
-    assert [r[::2] for r in rounds] == [list("abc"), list("bca"), list("cab"), list("abc")]
-    assert all(r[::2] == r[1::2] for r in rounds)  # reps back to back
-    assert len(log) == 3 + 4 * 6
+    bursts = [log[3 + 4 * i: 3 + 4 * (i + 1)] for i in range(12)]
+    assert all(b[:2] == ["L", "L"] and b[2] == b[3] for b in bursts)  # led, back to back
+    assert [b[2] for b in bursts] == [n for order in round_orders(list("abc"), 4)
+                                      for n in order]
+    assert len(log) == 3 + 12 * 4
 
 
 def test_experts_time_case_interleaved(monkeypatch):
@@ -67,3 +70,20 @@ def test_kernel_sweep_interleaved_on_the_gpu(tmp_path, monkeypatch):
     for r in recs:
         assert "error" not in r and r["ms"] > 0 and r["equal_default"], r
         assert "sm_mhz" in r
+
+
+def test_experts_ab_entries_equal_and_timed(monkeypatch):
+    """experts_ab.py at T = 512: the default, its twin, two alts and `all` each captured,
+    bitwise equal to the default (the variants' promise), and timed."""
+    import argparse
+    monkeypatch.syspath_prepend(str(BENCH))
+    import experts_ab
+    import moegraph_kernels.gemm_launch as gl
+    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
+    alts = [experts_ab.parse_alt("dxp:dx=+tma+persistent"),
+            experts_ab.parse_alt("dact5:dact=64x128x64x8x4x5")]
+    recs = experts_ab.run_case(512, "skewed", alts, argparse.Namespace(skew=0.25, rounds=2))
+    assert [r["entry"] for r in recs] == ["default", "twin", "dxp", "dact5", "all"]
+    for r in recs:
+        assert "error" not in r and r["equal_default"] and r["ms"] > 0, r
+    assert recs[0]["ratio_to_default"] == 1.0
