@@ -72,17 +72,17 @@ def test_kernel_sweep_interleaved_on_the_gpu(tmp_path, monkeypatch):
         assert "sm_mhz" in r
 
 
-def test_experts_ab_entries_equal_and_timed(monkeypatch):
-    """experts_ab.py at T = 512: the default, its twin, two alts and `all` each captured,
+def test_tiles_ab_entries_equal_and_timed(monkeypatch):
+    """tiles_ab.py at T = 512: the default, its twin, two alts and `all` each captured,
     bitwise equal to the default (the variants' promise), and timed."""
     import argparse
     monkeypatch.syspath_prepend(str(BENCH))
-    import experts_ab
+    import tiles_ab
     import moegraph_kernels.gemm_launch as gl
     monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
-    alts = [experts_ab.parse_alt("dxp:dx=+tma+persistent"),
-            experts_ab.parse_alt("dact5:dact=64x128x64x8x4x5")]
-    recs = experts_ab.run_case(512, "skewed", alts, argparse.Namespace(skew=0.25, rounds=2))
+    alts = [tiles_ab.parse_alt("dxp:dx=+tma+persistent"),
+            tiles_ab.parse_alt("dact5:dact=64x128x64x8x4x5")]
+    recs = tiles_ab.run_case(512, "skewed", alts, argparse.Namespace(skew=0.25, rounds=2))
     assert [r["entry"] for r in recs] == ["default", "twin", "dxp", "dact5", "all"]
     for r in recs:
         assert "error" not in r and r["equal_default"] and r["ms"] > 0, r

@@ -1,4 +1,4 @@
-"""benchmarks/experts_ab.py's parsing of --alt on the CPU: a SPEC changes only what it names
+"""benchmarks/tiles_ab.py's parsing of --alt on the CPU: a SPEC changes only what it names
 (a tile keeps the default's variant, a variant keeps its tile), entries() lists the default,
 its twin, each alt and `all`, and bad input is a one-line error before any GPU work."""
 
@@ -15,8 +15,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 @pytest.fixture()
 def ab(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
-    import experts_ab
-    return experts_ab
+    import tiles_ab
+    return tiles_ab
 
 
 def gpu_like_defaults():
@@ -72,7 +72,7 @@ def test_bad_spec_is_a_value_error(ab, spec):
     (["--tokens", "8k"], "invalid literal"),
 ])
 def test_cli_bad_input_one_line(argv, want):
-    p = subprocess.run([sys.executable, str(BENCH / "experts_ab.py"), *argv],
+    p = subprocess.run([sys.executable, str(BENCH / "tiles_ab.py"), *argv],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and want in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()[-1]) < 300

@@ -1,7 +1,7 @@
 """The whole expert fwd+bwd under the product's tile configs against alternatives, in one
 process, their graph replays' rounds interleaved: a kernel change judged where it counts.
 
-    python3 benchmarks/experts_ab.py --alt NAME:KERNEL=SPEC[,KERNEL=SPEC...] [--alt ...]
+    python3 benchmarks/tiles_ab.py --alt NAME:KERNEL=SPEC[,KERNEL=SPEC...] [--alt ...]
         [--tokens 8192,32768] [--routing uniform,skewed] [--skew 0.25] [--rounds 9]
         [--out PATH]
 
@@ -23,7 +23,7 @@ as long an untimed burst of the default's, the order shuffled a round (common.in
 the median ms, the SM clock it ran at (NVML), TFLOP/s of useful FLOPs (3 x 2 T k H 3F) and
 the ratio to the default. The kernels' fallback is off: a variant that fails is an error.
 
-Writes experts_ab.json (--out; default $OUT/experts_ab.json, else benchmarks/results/).
+Writes tiles_ab.json (--out; default $OUT/tiles_ab.json, else benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--routing", default="uniform,skewed", help="comma list of uniform, skewed")
     ap.add_argument("--skew", type=float, default=0.25)
     ap.add_argument("--rounds", type=int, default=9, help="timing rounds (median)")
-    ap.add_argument("--out", default=str(default_out("experts_ab.json")))
+    ap.add_argument("--out", default=str(default_out("tiles_ab.json")))
     args = ap.parse_args()
     try:
         alts = [parse_alt(a) for a in args.alt]
@@ -150,7 +150,7 @@ def main() -> None:
         ap.error(f"unknown routing {bad[0]!r}; known: uniform, skewed")
     import torch
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/experts_ab.py: needs a CUDA GPU")
+        sys.exit("benchmarks/tiles_ab.py: needs a CUDA GPU")
     from moegraph_cli.moe.experts import tile_configs
     try:  # a bad SPEC fails here, before any GPU work
         d = tile_configs(8192 * 8, 128, 2048, 768, torch.device("cuda"))
@@ -159,7 +159,7 @@ def main() -> None:
         ap.error(str(exc))
     from moegraph_kernels import gemm_launch
     gemm_launch.FALLBACK_ON_ERROR = False
-    doc = {"benchmark": "experts_ab", **environment(), "alts": dict(alts), "records": []}
+    doc = {"benchmark": "tiles_ab", **environment(), "alts": dict(alts), "records": []}
     for T in tokens:
         for routing in args.routing.split(","):
             for rec in run_case(T, routing, alts, args):
