@@ -105,9 +105,14 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
         GemmConfig(64, 128, 64, 8, 4, 4)
     # dX at 128-row blocks: TMA with 4 stages (benchmarks/kernel_sweep.py on the H200, Qwen3
     # shape: 0.766 / 0.763 / 2.876 -> 0.685 / 0.772 / 2.846 ms at T = 8192 uniform, skewed and
-    # 32768; persistent on top was faster at 8192 and slower at 32768).
-    dx = cfg.dx.with_variant("tma+persistent") if block < 128 else \
-        cfg.dx.with_variant("tma")._replace(num_stages=4)
+    # 32768), and persistent: timed with every burst led by the default's and a twin of it as
+    # the resolution (results/kernel_sweep_led.json) 0.828 / 0.845 / 2.960 / 2.976 -> 0.816 /
+    # 0.777 / 2.756 / 2.746 ms at T = 8192 and 32768, uniform / skewed, the twin within 1.2%
+    # but at 8192 uniform (4.2%); the whole expert fwd+bwd moved inside its 2% resolution
+    # (results/tiles_ab.json). The sequential sweeps of before had it slower at 32768.
+    dx = cfg.dx.with_variant("tma+persistent")
+    if block >= 128:
+        dx = dx._replace(num_stages=4)
     # FC1 paired (one [2, BN, BK] gate/up box, one dot a K step), and at 128-row blocks
     # persistent: benchmarks/experts_ab.py on the H200, T = 8192, FC1 alone 0.79-0.82 ms
     # paired against 0.87-0.90 unpaired; persistent on top 0.796 / 0.837 / 0.809 against

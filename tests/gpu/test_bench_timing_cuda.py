@@ -65,11 +65,12 @@ def test_kernel_sweep_interleaved_on_the_gpu(tmp_path, monkeypatch):
     ks.main()
     recs = [r for r in json.loads(out.read_text())["records"] if r["kernel"] != "dense_mm"]
     assert {(r["kernel"], r["candidate"]) for r in recs} == {
-        ("dact", "default"), ("wgrad_down", "default"), ("wgrad_down", "persistent"),
-        ("wgrad_down", "tmastore")}
+        ("dact", "default"), ("dact", "twin"), ("wgrad_down", "default"),
+        ("wgrad_down", "twin"), ("wgrad_down", "persistent"), ("wgrad_down", "tmastore")}
     for r in recs:
         assert "error" not in r and r["ms"] > 0 and r["equal_default"], r
         assert "sm_mhz" in r
+    assert all(r["twin_ratio"] > 0 for r in recs if r["candidate"] == "default")
 
 
 def test_tiles_ab_entries_equal_and_timed(monkeypatch):

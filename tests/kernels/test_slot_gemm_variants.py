@@ -133,7 +133,7 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     # the product's choice (moe/experts.tile_configs), measured on the H200
     big, small = ("tma+persistent+pair", "tma+pair") if gc.FC1_PAIRED else ("tma", "tma")
     # dW: the slot-order side by TMA; the long loops persistent with the tile stored by TMA
-    for routes, variants, dw in ((8192 * 8, (big, "tma+persistent", "base", "tma"),
+    for routes, variants, dw in ((8192 * 8, (big, "tma+persistent", "base", "tma+persistent"),
                                   "tma+persistent+store"),
                                  (1024 * 8, (small, "base", "base", "tma+persistent"), "tma")):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
@@ -181,8 +181,9 @@ def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
     monkeypatch.setattr(gc, "FC2_TILE_OVERRIDE", fc2)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
     assert chosen.fc2 == fc2.with_variant("tma+persistent")
-    # dX keeps its own tile (TMA, 4 stages at 128-row blocks)
-    assert chosen.dx == gc.slot_gemm_config(2048, 128, cuda).with_variant("tma")._replace(
+    # dX keeps its own tile (TMA + persistent, 4 stages at 128-row blocks)
+    assert chosen.dx == gc.slot_gemm_config(2048, 128, cuda).with_variant(
+        "tma+persistent")._replace(
         num_stages=4)
     assert tile_configs(1024 * 8, 128, 2048, 768, cuda).fc2 == gc.GemmConfig(64, 128, 64, 8, 4,
                                                                              4)
