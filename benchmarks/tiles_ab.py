@@ -101,7 +101,9 @@ def run_case(T, routing, alts, args) -> list[dict]:
         try:
             def body(cfg=cfg, name=name):
                 y = permute_free_moe_with_drops(*case, configs=cfg)[0]
-                outs[name] = [y, *torch.autograd.grad(y, leaves, dout)]
+                # y detached: kept with its autograd graph, the next capture's AccumulateGrad
+                # nodes would meet the ones this capture's warm-up made on its side stream
+                outs[name] = [*torch.autograd.grad(y, leaves, dout), y.detach()]
             graphs[name] = capture_graph(body)
             graphs[name].replay()
             torch.cuda.synchronize()
