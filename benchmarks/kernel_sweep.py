@@ -12,13 +12,13 @@ graph; after about 1 s of the default's replays (the power cap sets the clock), 
 rounds in which each candidate's graph replays back to back for about 40 ms in turn, each
 burst after as long a burst of the default's (untimed: every candidate then starts from the
 clock the same predecessor leaves), the order shuffled a round (common.round_orders); the
-median ms per launch, the SM clock it ran at (`sm_mhz`, NVML) and TFLOP/s of useful FLOPs (no padding
-rows). `--sequential`: the method of the results before this one, each candidate timed as it
+median ms per launch, the SM clock it ran at (`sm_mhz`, NVML) and TFLOP/s of useful FLOPs (no
+padding rows). `--sequential`: the method of the results before this one, each candidate timed as it
 comes, one 10-launch replay a round, in bursts short enough to run at a clock the power cap
 has not yet lowered; whether two runs are bitwise equal on the rows it writes (`deterministic`)
 and whether the output equals the product default's (`equal_default`, with the max |diff|
-otherwise). The first candidate of each kernel is the product's default (`default: true`); the second,
-`twin`, is the same config again, its own graph and outputs: how far it lands from the
+otherwise). The first candidate of each kernel is the product's default (`default: true`);
+the second, `twin`, is the same config again, its own graph and outputs: how far it lands from the
 default is the resolution of the run (`twin_ratio` on the default's record). A
 plain torch.mm of [T k, H] x [H, 2F] gives the dense bf16 ceiling on the same FLOPs
 (`dense_mm`). The kernels' fallback is off, so a variant that fails is an error, not a slower
@@ -369,12 +369,12 @@ def main() -> None:
                 wg.PADDED_K = padded_default
                 mine = [r for r in doc["records"] if r.get("kernel") == kernel
                         and r["T"] == T and r["routing"] == routing]
+                ms = {r["candidate"]: timed.get(r["candidate"], r).get("ms") for r in mine}
+                if ms.get("default") and ms.get("twin"):
+                    mine[0]["twin_ratio"] = ms["twin"] / ms["default"]
                 for rec in mine:
                     if rec["candidate"] in timed:
                         rec.update(timed[rec["candidate"]])
-                ms = {r["candidate"]: r.get("ms") for r in mine}
-                if ms.get("default") and ms.get("twin"):
-                    mine[0]["twin_ratio"] = ms["twin"] / ms["default"]
                     if "ms" in rec:
                         rec["tflops"] = flops(kernel, n) / rec["ms"] / 1e9
                     print(f"T={T:6d} {routing:8s} {kernel:14s} {rec['candidate']:34s} "

@@ -42,6 +42,8 @@ def test_kernel_sweep_runs_on_the_cpu(tmp_path, monkeypatch):
     for r in recs:
         assert "error" not in r, r
         assert r["deterministic"], r
+        assert "ms" in r and "tflops" in r, r  # every record timed, not only a kernel's last
+        assert ("twin_ratio" in r) == (r["candidate"] == "default"), r
         # torch's CPU grouped GEMM sums fp32 products in its own order (which depends on the
         # CPU's vector width): equal to the kernel's within rounding, not bitwise.
         # The presorted, persistent and TMA-store paths sum the same values in the same
