@@ -106,29 +106,15 @@ def _check_rows(name: str, rows_TV: torch.Tensor, labels_T: torch.Tensor) -> Non
                          f"{rows_TV.shape[0]} rows")
 
 
-def _stat_outputs(logits_TV: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse, loss): `out` checked (two contiguous fp32 [T]), or two new buffers."""
-    num_rows = logits_TV.shape[0]
-    if out is None:
-        return tuple(torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)
-                     for _ in range(2))
-    for name, t in zip(("lse", "loss"), out):
-        if t.shape != (num_rows,) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"cross_entropy: out {name} must be a contiguous fp32 "
-                             f"[{num_rows}], got {t.dtype} {list(t.shape)}")
-    return out
-
-
 def cross_entropy_forward(logits_TV: torch.Tensor, labels_T: torch.Tensor,
-                          ignore_index: int = -100, block_v: int | None = None,
-                          out: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ignore_index: int = -100, block_v: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse [T] fp32, loss [T] fp32) of the rows of logits_TV, into `out` when given (so a
-    caller on a side stream allocates nothing there); see the module docstring."""
+    """(lse [T] fp32, loss [T] fp32) of the rows of logits_TV; see the module docstring."""
     _check_rows("logits", logits_TV, labels_T)
     num_rows, vocab = logits_TV.shape
     labels_T = labels_T.contiguous()
-    lse_T, loss_T = _stat_outputs(logits_TV, out)
+    lse_T = torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)
+    loss_T = torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)
     if num_rows == 0:
         return lse_T, loss_T
     # One program streams one row. H200, T = 1024, V = 151936 bf16 (benchmarks/loss.py
@@ -181,13 +167,12 @@ def _label_terms(labels_T: torch.Tensor, vocab: int, ignore_index: int):
 
 
 def cross_entropy_forward_ref(logits_TV: torch.Tensor, labels_T: torch.Tensor,
-                              ignore_index: int = -100,
-                              out: tuple[torch.Tensor, torch.Tensor] | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+                              ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """cross_entropy_forward in torch, fp32, one chunk of rows at a time."""
     num_rows, vocab = logits_TV.shape
     labels_T = labels_T.to(logits_TV.device)
-    lse_T, loss_T = _stat_outputs(logits_TV, out)
+    lse_T = torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)
+    loss_T = torch.empty_like(lse_T)
     valid, in_range, index = _label_terms(labels_T, vocab, ignore_index)
     for rows in _ref_rows(num_rows, vocab):
         x = logits_TV[rows].float()

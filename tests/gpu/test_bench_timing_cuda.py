@@ -88,20 +88,3 @@ def test_tiles_ab_entries_equal_and_timed(monkeypatch):
     for r in recs:
         assert "error" not in r and r["equal_default"] and r["ms"] > 0, r
     assert recs[0]["ratio_to_default"] == 1.0
-
-
-def test_loss_overlap_entries_captured_compared_and_timed(monkeypatch):
-    """loss_overlap.py at T = 1000, V = 5000: every entry captured and timed; the chunked
-    entries with and without the side stream bitwise equal to each other."""
-    import argparse
-    monkeypatch.syspath_prepend(str(BENCH))
-    import loss_overlap
-    args = argparse.Namespace(chunk_list=[256], serial_list=[256], rounds=2)
-    recs = loss_overlap.run_case(1000, 5000, 256, args)
-    by = {r["entry"]: r for r in recs}
-    assert list(by) == ["c0", "twin", "c256", "c256_serial", "gemms", "ce"]
-    for r in recs:
-        assert "error" not in r and r["ms"] > 0, r
-    assert by["c0"]["equal_c0"] and by["twin"]["equal_c0"]
-    assert by["c256"]["max_abs_vs_c0"]["dw"] < 1e-2
-    assert by["c256"]["loss"] == by["c256_serial"]["loss"]

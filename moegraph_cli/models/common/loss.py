@@ -27,22 +27,14 @@ only under TRITON_INTERPRET=1 and only in fp32). Neither path syncs with the hos
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ... import grads
-from ...matmul import linear, matmul, mm_out
-from . import overlap
+from ...matmul import linear, matmul
 
 IMPLS = ("auto", "triton", "reference")
-
-# Rows of the lm head + loss per chunk (0: one chunk). With several chunks on CUDA each
-# chunk's CE kernel runs on a side stream beside the next chunk's logits GEMM (forward) or
-# the previous chunks' dx GEMMs (backward): overlap.py. MOEGRAPH_CE_CHUNK_ROWS.
-CHUNK_ROWS = int(os.environ.get("MOEGRAPH_CE_CHUNK_ROWS", "0"))
 
 
 def causal_shift(labels_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -61,28 +53,14 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Outputs (loss 0-d fp32, logits [T, V] non-differentiable); differentiable in x and w."""
 
     @staticmethod
-    def forward(ctx, x_TH, w_VH, labels_T, ignore_index, use_triton, inplace_backward,
-                chunk_rows):
+    def forward(ctx, x_TH, w_VH, labels_T, ignore_index, use_triton, inplace_backward):
         ctx.set_materialize_grads(False)  # else backward gets a zero [T, V] for the logits
+        logits_TV = linear(x_TH, w_VH)
         # Imported here: the kernels module imports Triton, which commands that never train
         # (init, inspect, plan) must not need.
         from moegraph_kernels import cross_entropy as ce
         fwd = ce.cross_entropy_forward if use_triton else ce.cross_entropy_forward_ref
-        bounds = overlap.row_bounds(x_TH.shape[0], chunk_rows)
-        if len(bounds) == 1:
-            logits_TV = linear(x_TH, w_VH)
-            lse_T, loss_T = fwd(logits_TV, labels_T, ignore_index)
-        else:
-            logits_TV = x_TH.new_empty(x_TH.shape[0], w_VH.shape[0])
-            lse_T, loss_T = (x_TH.new_empty(x_TH.shape[0], dtype=torch.float32)
-                             for _ in range(2))
-            side = overlap.side_stream(x_TH.device)
-            for a, b in bounds:
-                mm_out(x_TH[a:b], w_VH.t(), logits_TV[a:b])
-                with overlap.on_side(side):  # this chunk's CE beside the next chunk's GEMM
-                    fwd(logits_TV[a:b], labels_T[a:b], ignore_index,
-                        out=(lse_T[a:b], loss_T[a:b]))
-            overlap.join(side)
+        lse_T, loss_T = fwd(logits_TV, labels_T, ignore_index)
         n_valid = (labels_T != ignore_index).sum()
         loss = loss_T.sum() / n_valid  # 0 / 0 = nan when every label is ignored, as torch
         ctx.mark_non_differentiable(logits_TV)
@@ -90,7 +68,6 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx.ignore_index = ignore_index
         ctx.use_triton = use_triton
         ctx.inplace_backward = inplace_backward
-        ctx.bounds = bounds
         ctx.logits_consumed = False
         return loss, logits_TV
 
@@ -98,7 +75,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss, grad_logits):
         if grad_loss is None:
-            return (None,) * 7
+            return None, None, None, None, None, None
         if ctx.logits_consumed:
             raise RuntimeError("linear_cross_entropy: backward ran twice with "
                                "inplace_backward=True, whose first backward overwrote the "
@@ -107,58 +84,24 @@ class LinearCrossEntropy(torch.autograd.Function):
         out_TV = logits_TV if ctx.inplace_backward else None
         from moegraph_kernels import cross_entropy as ce
         bwd = ce.cross_entropy_backward if ctx.use_triton else ce.cross_entropy_backward_ref
+        with torch.no_grad():
+            dlogits_TV = bwd(logits_TV, labels_T, lse_T, grad_loss.float(), n_valid,
+                             ctx.ignore_index, out_TV)
         ctx.logits_consumed = ctx.inplace_backward
-        want_dx, want_dw = ctx.needs_input_grad[:2]
-        if len(ctx.bounds) == 1:
-            with torch.no_grad():
-                dlogits_TV = bwd(logits_TV, labels_T, lse_T, grad_loss.float(), n_valid,
-                                 ctx.ignore_index, out_TV)
-            dx = matmul(dlogits_TV, w_VH) if want_dx else None
-        else:
-            dlogits_TV, dx = _chunked_backward(ctx.bounds, bwd, x_TH, w_VH, logits_TV,
-                                               labels_T, lse_T, grad_loss.float(), n_valid,
-                                               ctx.ignore_index, out_TV, want_dx)
-        dw = grads.mm_grad(w_VH, dlogits_TV.t(), x_TH) if want_dw else None
-        return dx, dw, None, None, None, None, None
-
-
-@torch.no_grad()
-def _chunked_backward(bounds, bwd, x_TH, w_VH, logits_TV, labels_T, lse_T, grad, n_valid,
-                      ignore_index, out_TV, want_dx):
-    """(dlogits, dx): every chunk's CE backward queued on the side stream at once, each
-    chunk's dx GEMM on the main stream as soon as its dlogits are written (an event a chunk),
-    so the side stream's kernels run beside the GEMMs of the chunks before them."""
-    dlogits_TV = torch.empty_like(logits_TV) if out_TV is None else out_TV
-    dx = x_TH.new_empty(x_TH.shape) if want_dx else None
-    side = overlap.side_stream(x_TH.device)
-    done = []
-    with overlap.on_side(side):
-        for a, b in bounds:
-            bwd(logits_TV[a:b], labels_T[a:b], lse_T[a:b], grad, n_valid, ignore_index,
-                dlogits_TV[a:b])
-            done.append(None if side is None else torch.cuda.current_stream().record_event())
-    for (a, b), event in zip(bounds, done):
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-        if dx is not None:
-            mm_out(dlogits_TV[a:b], w_VH, dx[a:b])
-    overlap.join(side)
-    return dlogits_TV, dx
+        dx = matmul(dlogits_TV, w_VH) if ctx.needs_input_grad[0] else None
+        dw = grads.mm_grad(w_VH, dlogits_TV.t(), x_TH) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None
 
 
 def linear_cross_entropy(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor,
                          ignore_index: int = -100, *, impl: str = "auto",
-                         inplace_backward: bool = False, chunk_rows: int | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         inplace_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, logits): loss = mean over tokens whose label != ignore_index of the fp32
     cross-entropy of logits = F.linear(x, w) (in x's dtype), a differentiable 0-d fp32 tensor
     (nan when every label is ignored, as F.cross_entropy); logits, not differentiable, shaped
     [..., V]. x is [T, H] or [..., H] with labels of its leading shape (already shifted: see
     `causal_shift`); w is [V, H]. `impl`: auto | triton | reference (module docstring);
-    `inplace_backward`: dlogits overwrite the returned logits' storage in backward;
-    `chunk_rows`: rows per chunk (None: CHUNK_ROWS; 0: one chunk). Chunking changes no value
-    of the loss and no row of dx beyond what the GEMM library's choice of kernel per shape
-    changes, and dW is one GEMM over every row either way."""
+    `inplace_backward`: dlogits overwrite the returned logits' storage in backward."""
     hidden = x_TH.shape[-1]
     vocab = w_VH.shape[0]
     if w_VH.dim() != 2 or w_VH.shape[1] != hidden:
@@ -170,6 +113,5 @@ def linear_cross_entropy(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch
     use_triton = _use_triton(impl, x_TH.device)
     loss, logits_TV = LinearCrossEntropy.apply(
         x_TH.reshape(-1, hidden), w_VH, labels_T.reshape(-1).to(x_TH.device).contiguous(),
-        ignore_index, use_triton, inplace_backward,
-        CHUNK_ROWS if chunk_rows is None else int(chunk_rows))
+        ignore_index, use_triton, inplace_backward)
     return loss, logits_TV.view(*x_TH.shape[:-1], vocab)
