@@ -7,10 +7,6 @@ F ffn width, E experts; all tensors row-major with a contiguous last dimension):
   dW_down wgrad) and dp_part [S, cdiv(F, BN)] fp32 (`dp_tiles` columns), the per-column-tile
   partial sums of d(route probability); the caller reduces its rows in a fixed order (no
   atomics). CLAMPED picks the clamped SwiGLU backward.
-- `paired` (GemmConfig; where 2 BN divides F): one program computes a [BM, 2 BN] dA tile in
-  one dot a K step (the gathered dOut tile feeds twice the columns) and runs the epilogue one
-  [BM, BN] half at a time, so its registers stay those of a BN-wide tile's epilogue; each half
-  writes the dp_part column a BN-wide tile writes. No split tail with it.
 The gathered rows ride the A-tile load (`gathered_k_loop`, gathered_loop.py). Sentinel and
 padding rules, tile configs and the variants: gemm_config.py; launch and fallback:
 gemm_launch.py.
@@ -32,37 +28,6 @@ from .slot_schedule import (live_block_list, persistent_tile, program_tile,
 
 
 @triton.jit
-def _dact_epilogue(
-    acc, offs_m, offs_n, pid_dp, row_ok, route, route_ok, y1_ptr, weights_ptr, dy1_ptr,
-    act_ptr, dp_ptr, alpha, limit, ffn, stride_y1, stride_dy1, stride_act, stride_dp,
-    CLAMPED: tl.constexpr, ROUTE_MASK: tl.constexpr,
-):
-    """The SwiGLU backward of one [BM, BN] dA tile at columns offs_n: dY1, A and dp_part's
-    column pid_dp."""
-    n_ok = offs_n < ffn
-    # dA as autograd would hand it to the activation: rounded to the input dtype.
-    da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
-    rows = offs_m.to(tl.int64)[:, None]
-    # A padding slot has both sentinels, so route_ok == row_ok. ROUTE_MASK (the persistent
-    # loop) masks by the route: row_ok, from the A-load's tokens, would then have to stay live
-    # across the K loop in the epilogue's layout, once per pipeline stage, which spills.
-    tile_mask = (route_ok if ROUTE_MASK else row_ok)[:, None] & n_ok[None, :]
-    y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
-    g = tl.load(y1_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-    u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
-    p = tl.load(weights_ptr + route, mask=route_ok, other=0.0).to(tl.float32)
-    dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
-    act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
-    out_mask = n_ok[None, :]
-    dy1_ptrs = dy1_ptr + rows * stride_dy1 + offs_n[None, :]
-    tl.store(dy1_ptrs, dg.to(dy1_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(dy1_ptrs + ffn, du.to(dy1_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(act_ptr + rows * stride_act + offs_n[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_dp, dp_part)
-
-
-@triton.jit
 def _dact_swiglu_tile(
     pid_m, pid_n, expert,
     dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
@@ -71,7 +36,7 @@ def _dact_swiglu_tile(
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
-    ROUTE_MASK: tl.constexpr, HALVES: tl.constexpr,
+    ROUTE_MASK: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,24 +56,28 @@ def _dact_swiglu_tile(
         w_desc, expert * hidden, pid_n * BLOCK_N, 0,
         BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=USE_TMA, B_NK=False)
 
+    # dA as autograd would hand it to the activation: rounded to the input dtype.
+    da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
+    rows = offs_m.to(tl.int64)[:, None]
     route = tl.load(slot_route_ptr + offs_m)
     route_ok = route < num_routes
-    if HALVES:
-        # One [BM, 2 HALF] dot, the epilogue a [BM, HALF] half at a time (each half's dp_part
-        # column is the one an unpaired HALF-wide tile writes).
-        HALF: tl.constexpr = BLOCK_N // 2
-        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-        offs_h = pid_n * BLOCK_N + tl.arange(0, HALF)
-        _dact_epilogue(lo, offs_m, offs_h, 2 * pid_n, row_ok, route, route_ok, y1_ptr,
-                       weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
-                       stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
-        _dact_epilogue(hi, offs_m, offs_h + HALF, 2 * pid_n + 1, row_ok, route, route_ok,
-                       y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
-                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
-    else:
-        _dact_epilogue(acc, offs_m, offs_n, pid_n, row_ok, route, route_ok, y1_ptr,
-                       weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
-                       stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
+    # A padding slot has both sentinels, so route_ok == row_ok. ROUTE_MASK (the persistent
+    # loop) masks by the route: row_ok, from the A-load's tokens, would then have to stay live
+    # across the K loop in the epilogue's layout, once per pipeline stage, which spills.
+    tile_mask = (route_ok if ROUTE_MASK else row_ok)[:, None] & n_ok[None, :]
+    y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
+    g = tl.load(y1_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
+    p = tl.load(weights_ptr + route, mask=route_ok, other=0.0).to(tl.float32)
+    dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
+    act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
+    out_mask = n_ok[None, :]
+    dy1_ptrs = dy1_ptr + rows * stride_dy1 + offs_n[None, :]
+    tl.store(dy1_ptrs, dg.to(dy1_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dy1_ptrs + ffn, du.to(dy1_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(act_ptr + rows * stride_act + offs_n[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_n, dp_part)
 
 
 @triton.jit
@@ -131,7 +100,6 @@ def _dact_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
-    HALVES: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -150,7 +118,7 @@ def _dact_swiglu_kernel(
                 slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, HALVES)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True)
             if TAIL == 2:
                 _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                                 stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -166,7 +134,7 @@ def _dact_swiglu_kernel(
             slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, HALVES)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False)
         if TAIL == 2:
             _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                             stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -198,26 +166,15 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
                                act_out, dp_part_out, c, clamp))
 
 
-def halves(ffn: int, cfg: GemmConfig) -> bool:
-    """Whether cfg's `paired` applies to dact: a [BM, 2 BN] tile, its epilogue in two BN
-    halves, where 2 BN divides F (so dp_part keeps cdiv(F, BN) columns, every one written)."""
-    return cfg.paired and ffn % (2 * cfg.block_n) == 0
-
-
 def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, act_out,
                  dp_part_out, cfg, clamp=None):
     num_tokens, hidden = dout_TH.shape
     ffn = w_down_EHF.shape[2]
-    paired = halves(ffn, cfg)
-    # The kernel's tile: 2 BN wide when paired (no split tail then: its zero rows are written
-    # per BN tile).
-    tile = cfg._replace(block_n=2 * cfg.block_n, split_tail=False) if paired else cfg
-    tile = tile._replace(paired=False)
     w_desc = None
     # Tiles of w_down [E, H, F] past H would contract the next expert's rows: even H only.
-    if tile.tma and tma.tma_available(dout_TH.device) and hidden % tile.block_k == 0:
-        w_desc = tma.weight_desc(w_down_EHF, (tile.block_k, tile.block_n))
-    grid, live_list, meta, plan = gl.build_plan(routes, tile, ffn, dout_TH.device,
+    if cfg.tma and tma.tma_available(dout_TH.device) and hidden % cfg.block_k == 0:
+        w_desc = tma.weight_desc(w_down_EHF, (cfg.block_k, cfg.block_n))
+    grid, live_list, meta, plan = gl.build_plan(routes, cfg, ffn, dout_TH.device,
                                                 w_desc is not None)
 
     def launch(grid, cfg, live_list, meta, tail):
@@ -232,9 +189,8 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            HALVES=paired, **cfg.launch_options(), **meta)
+            **cfg.launch_options(), **meta)
 
-    gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, tile, grid, live_list, meta, plan,
-                                           w_down_EHF.shape[0], ffn, dout_TH.device
-                                           )._replace(paired=paired)
+    gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, cfg, grid, live_list, meta, plan,
+                                           w_down_EHF.shape[0], ffn, dout_TH.device)
     return dy1_out, act_out, dp_part_out
