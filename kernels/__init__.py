@@ -1,0 +1,35 @@
+"""moegraph's Triton kernels, installed as the package `moegraph_kernels` (pyproject.toml).
+
+Imported under the name `kernels` this directory is an accident: the repository root is first
+on sys.path (`python -m pytest` or `python -m moegraph_cli.app` run from a checkout), and the
+directory hides any installed distribution of that name -- transformers >= 5.25 requires one
+(the `kernels` hub package) and imports names from it. Found that way, this module hands the
+name to the installed package when there is one, and stays an empty module otherwise (what an
+`import kernels` found here always was).
+"""
+
+if __name__ == "kernels":
+    def _installed_kernels():
+        """The `kernels` package found with the repository root off sys.path, or None."""
+        import importlib
+        import sys
+        from pathlib import Path
+
+        root = Path(__file__).resolve().parent.parent
+        here = sys.modules.pop(__name__)
+        saved = sys.path[:]
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+        try:
+            return importlib.import_module("kernels")
+        except ImportError:
+            return None
+        finally:
+            sys.path[:] = saved
+            if "kernels" not in sys.modules or sys.modules["kernels"] is None:
+                sys.modules["kernels"] = here
+
+    _real = _installed_kernels()
+    if _real is not None:
+        # The import statement returns sys.modules["kernels"] once this body has run.
+        __import__("sys").modules["kernels"] = _real
+    del _installed_kernels, _real
