@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import capture_graph, default_out, environment, error_text, interleaved_ms, \
+from common import capture_graph, default_out, environment, error_text, led_graph_rounds, \
     write_json
 from experts import SHAPES, load_stats, make_routing
 
@@ -122,10 +122,7 @@ def run_case(T, routing, args) -> list[dict]:
             rec["error"] = error_text(exc)
         recs.append(rec)
     if "unfused" in graphs:
-        one = interleaved_ms({"u": graphs["unfused"].replay}, 1, 1, warmup=2)
-        reps = max(3, round(100 / max(one["u"]["ms"], 1e-3)))
-        timed = interleaved_ms({n: g.replay for n, g in graphs.items()}, reps, args.rounds,
-                               warmup=1, lead=graphs["unfused"].replay)
+        timed, reps = led_graph_rounds(graphs, "unfused", 100, args.rounds)
         for rec in recs:
             if rec["entry"] in timed:
                 rec.update(timed[rec["entry"]], reps=reps)
