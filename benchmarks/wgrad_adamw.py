@@ -4,17 +4,16 @@ their graph replays' rounds interleaved: what fusing the expert optimizer into t
 would buy.
 
     python3 benchmarks/wgrad_adamw.py [--tokens 8192,16384] [--routing uniform,skewed]
-        [--skew 0.25] [--rows 8,32,64] [--rounds 7] [--out PATH]
+        [--skew 0.25] [--rounds 7] [--out PATH]
 
 Per (T, routing), Qwen3 expert shape (E = 128, k = 8, H = 2048, F = 768), bf16: dW_down and
 dW_gate_up of one layer under the product's tiles (wgrad_config), the two weights, their
 exp_avg and exp_avg_sq each one flat buffer as the optimizer keeps them (604M parameters).
 Entries, each one CUDA graph: `unfused` (both dW kernels into the gradient buffer, then one
-adamw_step over the flat buffers), `twin` (unfused again), `fused_rN` per --rows (both dW
-kernels with the AdamW epilogue, N rows of the tile updated at a time: no gradient stored to
-or read from memory beyond the program's L2-resident tile slot), `wgrad` (the two dW kernels
-alone) and `adamw` (adamw_step alone). From the same state each fused entry and `unfused`
-are compared bitwise (weights and both moments). Then --rounds rounds, each graph replayed back to back for about 100 ms,
+adamw_step over the flat buffers), `twin` (unfused again), `fused` (both dW kernels with the
+AdamW epilogue: no gradient stored or read), `wgrad` (the two dW kernels alone) and `adamw`
+(adamw_step alone). From the same state `fused` and `unfused` are compared bitwise (weights
+and both moments). Then --rounds rounds, each graph replayed back to back for about 100 ms,
 each burst led by as long a burst of `unfused`, the order shuffled a round
 (common.interleaved_ms): median ms, SM clock, ratio to `unfused`.
 
@@ -55,7 +54,7 @@ def make_state(T, routing, skew):
     return routes, (x, dout, dy1, act), flat, views, ids
 
 
-def bodies(T, routes, rows, flat, views, rows_list):
+def bodies(T, routes, rows, flat, views):
     import torch
     import moegraph_kernels.wgrad as wg
     from moegraph_kernels.adamw import adamw_step, bias_correction_
@@ -84,47 +83,39 @@ def bodies(T, routes, rows, flat, views, rows_list):
         wgrad()
         adamw()
 
-    def fused(rows):
-        def body():
-            saved, wg.ADAMW_ROWS = wg.ADAMW_ROWS, rows
-            try:
-                for l_rows, r_rows, gather_l, i, cfg in operands:
-                    p, m, v = (views[n][i] for n in "pmv")
-                    wg.expert_wgrad(l_rows, r_rows, routes, p, gather_l, not gather_l, cfg,
-                                    adamw=wg.AdamWEpilogue(p, m, v, lr, bias, hyper))
-            finally:
-                wg.ADAMW_ROWS = saved
-        return body
+    def fused():
+        for l_rows, r_rows, gather_l, i, cfg in operands:
+            p, m, v = (views[n][i] for n in "pmv")
+            wg.expert_wgrad(l_rows, r_rows, routes, p, gather_l, not gather_l, cfg,
+                            adamw=wg.AdamWEpilogue(p, m, v, lr, bias, hyper))
 
-    out = {"unfused": unfused, "twin": unfused}
-    out.update({f"fused_r{r}": fused(r) for r in rows_list})
-    out.update(wgrad=wgrad, adamw=adamw)
-    return out
+    return {"unfused": unfused, "twin": unfused, "fused": fused, "wgrad": wgrad,
+            "adamw": adamw}
 
 
 def run_case(T, routing, args) -> list[dict]:
     import torch
     E, H, F, k = SHAPES["qwen3"]
     routes, rows, flat, views, ids = make_state(T, routing, args.skew)
-    fns = bodies(T, routes, rows, flat, views, args.rows_list)
+    fns = bodies(T, routes, rows, flat, views)
     base = {"T": T, "routing": routing, "skew": args.skew if routing == "skewed" else 0,
             "load": load_stats(ids, E), "params": flat["p"].numel()}
-    # From one state: each fused update against the unfused one, bitwise.
+    # From one state: the fused update against the unfused one, bitwise.
     start = {n: flat[n].clone() for n in "pmv"}
     fns["unfused"]()
     want = {n: flat[n].clone() for n in "pmv"}
-    checks = {}
-    for name in (n for n in fns if n.startswith("fused")):
-        for n in "pmv":
-            flat[n].copy_(start[n])
-        fns[name]()
-        torch.cuda.synchronize()
-        checks[name] = {"equal_unfused": {n: bool(torch.equal(flat[n], want[n])) for n in "pmv"},
-                        "updated": {n: not torch.equal(flat[n], start[n]) for n in "pmv"}}
+    for n in "pmv":
+        flat[n].copy_(start[n])
+    fns["fused"]()
+    torch.cuda.synchronize()
+    equal = {n: bool(torch.equal(flat[n], want[n])) for n in "pmv"}
+    changed = {n: not torch.equal(flat[n], start[n]) for n in "pmv"}
     del start, want
     graphs, recs = {}, []
     for name, fn in fns.items():
-        rec = {**base, "entry": name, **checks.get(name, {})}
+        rec = {**base, "entry": name}
+        if name == "fused":
+            rec.update(equal_unfused=equal, updated=changed)
         try:
             graphs[name] = capture_graph(fn)
         except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
@@ -147,15 +138,13 @@ def main() -> None:
     ap.add_argument("--tokens", default="8192,16384", help="comma list of T")
     ap.add_argument("--routing", default="uniform,skewed", help="comma list of uniform, skewed")
     ap.add_argument("--skew", type=float, default=0.25)
-    ap.add_argument("--rows", default="8,32,64", help="ADAMW_ROWS values, one fused entry each")
     ap.add_argument("--rounds", type=int, default=7, help="timing rounds (median)")
     ap.add_argument("--out", default=str(default_out("wgrad_adamw.json")))
     args = ap.parse_args()
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t]
-        args.rows_list = [int(r) for r in args.rows.split(",") if r]
     except ValueError:
-        ap.error("--tokens and --rows take comma lists of integers")
+        ap.error("--tokens takes a comma list of integers")
     routings = [r for r in args.routing.split(",") if r]
     if not tokens or any(r not in ("uniform", "skewed") for r in routings):
         ap.error("--tokens needs a T and --routing takes uniform and/or skewed")
@@ -167,7 +156,7 @@ def main() -> None:
         for routing in routings:
             doc["records"] += run_case(T, routing, args)
             write_json(args.out, doc)
-            for rec in doc["records"][-(4 + len(args.rows_list)):]:
+            for rec in doc["records"][-5:]:
                 if "ms" in rec:
                     print(f"T={T:6d} {routing:8s} {rec['entry']:8s} {rec['ms']:8.3f} ms "
                           f"x{rec['ratio_to_unfused']:.3f} @{rec['sm_mhz']} MHz "

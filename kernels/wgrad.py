@@ -39,7 +39,6 @@ reference is autograd through moe/reference.py's bias terms.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -154,41 +153,18 @@ def adamw_hyper(beta1: float, beta2: float, eps: float, weight_decay: float,
                         dtype=torch.float64, device=device)
 
 
-# Rows of the parameter tile the AdamW epilogue updates at a time (read at each launch): its
-# fp32 p, m, v of a whole 256 x 128 tile beside the accumulator would spill (a first version
-# ran 6x slower). MOEGRAPH_WGRAD_ADAMW_ROWS.
-ADAMW_ROWS = int(os.environ.get("MOEGRAPH_WGRAD_ADAMW_ROWS", "32"))
-
-
 @triton.jit
-def _adamw_tile(acc, scratch_ptr, p_ptr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, expert,
-                pid_m, pid_n, M, N, stride_dwe, stride_dwm, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, ROWS: tl.constexpr, FUSED_MATH: tl.constexpr,
-                PRECISE: tl.constexpr, EMULATE_FMA: tl.constexpr):
-    """AdamW of the parameter tile (expert, pid_m, pid_n) from the dW tile acc, rounded to
-    p's dtype (the gradient the unfused path stores and adamw_step reads: the same values).
-    The rounded tile goes to this program's scratch slot (a tile-sized buffer the program
-    reuses, so it stays in L2), then the update runs ROWS rows at a time."""
-    slot = scratch_ptr + tl.program_id(0).to(tl.int64) * (BLOCK_M * BLOCK_N)
-    tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(slot + tile, acc.to(p_ptr.dtype.element_ty))
-    tl.debug_barrier()  # the tile written by every thread before any reads a chunk back
+def _adamw_tile(acc, p_ptr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, offs, mask,
+                FUSED_MATH: tl.constexpr, PRECISE: tl.constexpr, EMULATE_FMA: tl.constexpr):
+    """AdamW of the parameter tile at offs from the dW tile acc, rounded first to p's dtype
+    (the gradient the unfused path stores and adamw_step reads): the same values."""
+    g = acc.to(p_ptr.dtype.element_ty).to(tl.float32)
     beta1 = tl.load(hyper_ptr)
     beta2 = tl.load(hyper_ptr + 1)
     eps = tl.load(hyper_ptr + 2)
     weight_decay = tl.load(hyper_ptr + 3)
-    lr = tl.load(lr_ptr).to(tl.float64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    chunk = tl.arange(0, ROWS)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    for r0 in range(0, BLOCK_M, ROWS):
-        offs_m = pid_m * BLOCK_M + r0 + tl.arange(0, ROWS)
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        g = tl.load(slot + r0 * BLOCK_N + chunk).to(tl.float32)
-        offs = (expert.to(tl.int64) * stride_dwe + offs_m.to(tl.int64)[:, None] * stride_dwm
-                + offs_n[None, :])
-        update_in_place(p_ptr, m_ptr, v_ptr, offs, mask, g, lr, bias_ptr, beta1, beta2, eps,
-                        weight_decay, FUSED_MATH, PRECISE, EMULATE_FMA)
-    tl.debug_barrier()  # every chunk read before the next tile overwrites the slot
+    update_in_place(p_ptr, m_ptr, v_ptr, offs, mask, g, tl.load(lr_ptr).to(tl.float64),
+                    bias_ptr, beta1, beta2, eps, weight_decay, FUSED_MATH, PRECISE, EMULATE_FMA)
 
 
 @triton.jit
@@ -198,8 +174,7 @@ def _wgrad_tile(
     GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
-    OUT_TMA: tl.constexpr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, scratch_ptr,
-    ADAMW: tl.constexpr, ADAMW_ROWS_C: tl.constexpr,
+    OUT_TMA: tl.constexpr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, ADAMW: tl.constexpr,
     FUSED_MATH: tl.constexpr, PRECISE: tl.constexpr, EMULATE_FMA: tl.constexpr,
 ):
     """dW tile `pid` (expert-major, GROUP_M-grouped within an expert). ADAMW: dw_ptr is the
@@ -265,9 +240,10 @@ def _wgrad_tile(
         acc = tl.dot(lt, r, acc)
 
     if ADAMW:
-        _adamw_tile(acc, scratch_ptr, dw_ptr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr,
-                    expert, pid_m, pid_n, M, N, stride_dwe, stride_dwm, BLOCK_M, BLOCK_N,
-                    ADAMW_ROWS_C, FUSED_MATH, PRECISE, EMULATE_FMA)
+        _adamw_tile(acc, dw_ptr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr,
+                    expert.to(tl.int64) * stride_dwe + offs_m.to(tl.int64)[:, None] * stride_dwm
+                    + offs_n[None, :], m_ok[:, None] & n_ok[None, :], FUSED_MATH, PRECISE,
+                    EMULATE_FMA)
     elif OUT_TMA:
         # dW as [E * M, N] (M a multiple of BLOCK_M): the tile goes out by an asynchronous
         # bulk store, and the program moves on while the copy engine drains it.
@@ -291,8 +267,7 @@ def _expert_wgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
     OUT_TMA: tl.constexpr, PERSISTENT: tl.constexpr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr,
-    scratch_ptr, ADAMW: tl.constexpr, ADAMW_ROWS_C: tl.constexpr, FUSED_MATH: tl.constexpr,
-    PRECISE: tl.constexpr,
+    ADAMW: tl.constexpr, FUSED_MATH: tl.constexpr, PRECISE: tl.constexpr,
     EMULATE_FMA: tl.constexpr,
 ):
     if PERSISTENT:
@@ -303,15 +278,15 @@ def _expert_wgrad_kernel(
                         expert_start_ptr, expert_count_ptr, M, N, num_tokens, num_slots,
                         stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R,
                         ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PADDED, L_TMA, R_TMA,
-                        OUT_TMA, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, scratch_ptr, ADAMW,
-                        ADAMW_ROWS_C, FUSED_MATH, PRECISE, EMULATE_FMA)
+                        OUT_TMA, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, ADAMW, FUSED_MATH,
+                        PRECISE, EMULATE_FMA)
     else:
         _wgrad_tile(tl.program_id(0), l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc,
                     slot_token_ptr, expert_start_ptr, expert_count_ptr, M, N, num_tokens,
                     num_slots, stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R,
                     ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PADDED, L_TMA, R_TMA,
-                    OUT_TMA, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, scratch_ptr, ADAMW,
-                    ADAMW_ROWS_C, FUSED_MATH, PRECISE, EMULATE_FMA)
+                    OUT_TMA, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, ADAMW, FUSED_MATH,
+                    PRECISE, EMULATE_FMA)
 
 
 def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gather_r: bool,
@@ -330,9 +305,6 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
                     or t.stride() != out_EMN.stride():
                 raise ValueError(f"expert_wgrad: {name} is {t.dtype} {list(t.shape)}, the "
                                  f"param {out_EMN.dtype} {list(out_EMN.shape)}")
-        if ADAMW_ROWS < 1 or cfg.block_m % min(ADAMW_ROWS, cfg.block_m):
-            raise ValueError(f"expert_wgrad: ADAMW_ROWS {ADAMW_ROWS} must divide the tile's "
-                             f"{cfg.block_m} rows")
     cfg = cfg or wgrad_config(n, l_rows.device)
     padded = PADDED_K and routes.block_m % cfg.block_k == 0
     l_desc = r_desc = None
@@ -351,10 +323,6 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     persistent = cfg.persistent and tma.persistent_available()
     LAST_WGRAD_STORE[gather_l] = (persistent, dw_desc is not None)
     grid = (min(num_tiles, tma.num_programs(l_rows.device)) if persistent else num_tiles,)
-    # The AdamW epilogue's per-program tile slots (persistent: one a program, reused).
-    scratch = out_EMN if adamw is None else \
-        torch.empty(grid[0] * cfg.block_m * cfg.block_n, dtype=out_EMN.dtype,
-                    device=out_EMN.device)
 
     def launch(c):
         _expert_wgrad_kernel[grid](
@@ -371,8 +339,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
             v_ptr=out_EMN if adamw is None else adamw.v,
             lr_ptr=out_EMN if adamw is None else adamw.lr,
             bias_ptr=out_EMN if adamw is None else adamw.bias,
-            hyper_ptr=out_EMN if adamw is None else adamw.hyper, scratch_ptr=scratch,
-            ADAMW=adamw is not None, ADAMW_ROWS_C=min(ADAMW_ROWS, c.block_m),
+            hyper_ptr=out_EMN if adamw is None else adamw.hyper, ADAMW=adamw is not None,
             FUSED_MATH=fused_math, PRECISE=adamw is None or adamw.precise,
             EMULATE_FMA=interpreting(), **c.launch_options(), **extra)
 
