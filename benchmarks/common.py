@@ -204,18 +204,6 @@ def interleaved_ms(fns: dict, reps: int, rounds: int = 5, warmup: int = 2,
                 "sm_mhz": statistics.median(mhz[n]) if mhz[n] else None} for n in names}
 
 
-def led_graph_rounds(graphs: dict, lead: str, burst_ms: float, rounds: int, min_reps: int = 3
-                     ) -> tuple[dict, int]:
-    """interleaved_ms of every graph's replay, `reps` replays a burst (about burst_ms of the
-    `lead` graph's, at least min_reps), each burst led by as long a burst of `lead`'s.
-    (timings, reps)."""
-    one = interleaved_ms({lead: graphs[lead].replay}, 1, 1, warmup=2)
-    reps = max(min_reps, round(burst_ms / max(one[lead]["ms"], 1e-3)))
-    timed = interleaved_ms({n: g.replay for n, g in graphs.items()}, reps, rounds, warmup=1,
-                           lead=graphs[lead].replay)
-    return timed, reps
-
-
 def capture_graph(fn):
     """fn captured in one CUDA graph, after three warm-up calls on a side stream."""
     import torch

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import capture_graph, default_out, environment, error_text, led_graph_rounds, \
+from common import capture_graph, default_out, environment, error_text, interleaved_ms, \
     write_json
 from experts import SHAPES, fwd_flops, leaves_of, load_stats, make_case
 
@@ -113,7 +113,10 @@ def run_case(T, routing, alts, args) -> list[dict]:
             rec["error"] = error_text(exc)
         recs.append(rec)
     if "default" in graphs:
-        timed, reps = led_graph_rounds(graphs, "default", 60, args.rounds)
+        one = interleaved_ms({"default": graphs["default"].replay}, 1, 1, warmup=2)
+        reps = max(3, round(60 / max(one["default"]["ms"], 1e-3)))
+        timed = interleaved_ms({n: g.replay for n, g in graphs.items()}, reps, args.rounds,
+                               warmup=1, lead=graphs["default"].replay)
         flops = 3 * fwd_flops("qwen3", T)
         for rec in recs:
             if rec["entry"] in timed:

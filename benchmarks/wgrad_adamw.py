@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import capture_graph, default_out, environment, error_text, led_graph_rounds, \
+from common import capture_graph, default_out, environment, error_text, interleaved_ms, \
     write_json
 from experts import SHAPES, load_stats, make_routing
 
@@ -122,7 +122,10 @@ def run_case(T, routing, args) -> list[dict]:
             rec["error"] = error_text(exc)
         recs.append(rec)
     if "unfused" in graphs:
-        timed, reps = led_graph_rounds(graphs, "unfused", 100, args.rounds)
+        one = interleaved_ms({"u": graphs["unfused"].replay}, 1, 1, warmup=2)
+        reps = max(3, round(100 / max(one["u"]["ms"], 1e-3)))
+        timed = interleaved_ms({n: g.replay for n, g in graphs.items()}, reps, args.rounds,
+                               warmup=1, lead=graphs["unfused"].replay)
         for rec in recs:
             if rec["entry"] in timed:
                 rec.update(timed[rec["entry"]], reps=reps)

@@ -158,19 +158,8 @@ def _adamw_kernel(
 
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    update_in_place(p_ptr, m_ptr, v_ptr, offs, mask, g, lr, bias_ptr, beta1, beta2, eps,
-                    weight_decay, FUSED_MATH, PRECISE, EMULATE_FMA)
-
-
-@triton.jit
-def update_in_place(p_ptr, m_ptr, v_ptr, offs, mask, g, lr, bias_ptr, beta1, beta2, eps,
-                    weight_decay, FUSED_MATH: tl.constexpr, PRECISE: tl.constexpr,
-                    EMULATE_FMA: tl.constexpr):
-    """p, m, v at offs (any shape of offsets) updated from the fp32 gradient g by the formula
-    set FUSED_MATH picks; lr and the hyperparameters fp64, bias_ptr the 5 corrections. Also
-    the epilogue of kernels/wgrad.py's AdamW variant."""
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
     if FUSED_MATH:

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from . import gemm_launch as gl
 from . import tma
-from .adamw import interpreting, update_in_place
+from .adamw import _fused_math, _single_tensor_math, interpreting
 from .env import flag_from_env
 from .gemm_config import GemmConfig, tile_from_env
 from .route_align import RouteList
@@ -163,8 +163,19 @@ def _adamw_tile(acc, p_ptr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, offs, mas
     beta2 = tl.load(hyper_ptr + 1)
     eps = tl.load(hyper_ptr + 2)
     weight_decay = tl.load(hyper_ptr + 3)
-    update_in_place(p_ptr, m_ptr, v_ptr, offs, mask, g, tl.load(lr_ptr).to(tl.float64),
-                    bias_ptr, beta1, beta2, eps, weight_decay, FUSED_MATH, PRECISE, EMULATE_FMA)
+    lr = tl.load(lr_ptr).to(tl.float64)
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+    if FUSED_MATH:
+        p, m, v = _fused_math(p, g, m, v, lr, tl.load(bias_ptr + 3), tl.load(bias_ptr + 4),
+                              beta1, beta2, eps, weight_decay, PRECISE, EMULATE_FMA)
+    else:
+        p, m, v = _single_tensor_math(p, g, m, v, lr, tl.load(bias_ptr), tl.load(bias_ptr + 2),
+                                      beta1, beta2, eps, weight_decay, EMULATE_FMA)
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
