@@ -39,15 +39,12 @@ reference is autograd through moe/reference.py's bias terms.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from . import gemm_launch as gl
 from . import tma
-from .adamw import _fused_math, _single_tensor_math, interpreting
 from .env import flag_from_env
 from .gemm_config import GemmConfig, tile_from_env
 from .route_align import RouteList
@@ -129,55 +126,6 @@ def _forced(cfg: GemmConfig) -> GemmConfig:
     return cfg
 
 
-class AdamWEpilogue(NamedTuple):
-    """What `expert_wgrad(..., adamw=)` needs to apply AdamW to the weight in the dW tile's
-    epilogue (kernels/adamw.py's contract and formulas): the parameter p and its exp_avg m and
-    exp_avg_sq v, [E, M, N] contiguous in p's dtype; the device lr and bias corrections
-    (adamw.bias_correction_, already advanced to this step); `hyper`, the fp64 device tensor
-    [beta1, beta2, eps, weight_decay] (`adamw_hyper`: made once, so a captured launch copies
-    nothing from the host)."""
-    p: torch.Tensor
-    m: torch.Tensor
-    v: torch.Tensor
-    lr: torch.Tensor
-    bias: torch.Tensor
-    hyper: torch.Tensor
-    fused_math: bool | None = None  # None: torch's fused formulas for 16-bit p (adamw_step's)
-    precise: bool = True
-
-
-def adamw_hyper(beta1: float, beta2: float, eps: float, weight_decay: float,
-                device) -> torch.Tensor:
-    """AdamWEpilogue.hyper: the hyperparameters as the fp64 values adamw_step passes."""
-    return torch.tensor([float(beta1), float(beta2), float(eps), float(weight_decay)],
-                        dtype=torch.float64, device=device)
-
-
-@triton.jit
-def _adamw_tile(acc, p_ptr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, offs, mask,
-                FUSED_MATH: tl.constexpr, PRECISE: tl.constexpr, EMULATE_FMA: tl.constexpr):
-    """AdamW of the parameter tile at offs from the dW tile acc, rounded first to p's dtype
-    (the gradient the unfused path stores and adamw_step reads): the same values."""
-    g = acc.to(p_ptr.dtype.element_ty).to(tl.float32)
-    beta1 = tl.load(hyper_ptr)
-    beta2 = tl.load(hyper_ptr + 1)
-    eps = tl.load(hyper_ptr + 2)
-    weight_decay = tl.load(hyper_ptr + 3)
-    lr = tl.load(lr_ptr).to(tl.float64)
-    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
-    if FUSED_MATH:
-        p, m, v = _fused_math(p, g, m, v, lr, tl.load(bias_ptr + 3), tl.load(bias_ptr + 4),
-                              beta1, beta2, eps, weight_decay, PRECISE, EMULATE_FMA)
-    else:
-        p, m, v = _single_tensor_math(p, g, m, v, lr, tl.load(bias_ptr), tl.load(bias_ptr + 2),
-                                      beta1, beta2, eps, weight_decay, EMULATE_FMA)
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-
-
 @triton.jit
 def _wgrad_tile(
     pid, l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc, slot_token_ptr, expert_start_ptr,
@@ -185,11 +133,9 @@ def _wgrad_tile(
     GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
-    OUT_TMA: tl.constexpr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, ADAMW: tl.constexpr,
-    FUSED_MATH: tl.constexpr, PRECISE: tl.constexpr, EMULATE_FMA: tl.constexpr,
+    OUT_TMA: tl.constexpr,
 ):
-    """dW tile `pid` (expert-major, GROUP_M-grouped within an expert). ADAMW: dw_ptr is the
-    parameter, and the tile updates it with m and v by AdamW instead of being stored."""
+    """dW tile `pid` (expert-major, GROUP_M-grouped within an expert)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid = tl.cast(pid, tl.int32)  # a Python int in the interpreter's persistent loop
@@ -250,12 +196,7 @@ def _wgrad_tile(
                         mask=r_mask, other=0.0)
         acc = tl.dot(lt, r, acc)
 
-    if ADAMW:
-        _adamw_tile(acc, dw_ptr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr,
-                    expert.to(tl.int64) * stride_dwe + offs_m.to(tl.int64)[:, None] * stride_dwm
-                    + offs_n[None, :], m_ok[:, None] & n_ok[None, :], FUSED_MATH, PRECISE,
-                    EMULATE_FMA)
-    elif OUT_TMA:
+    if OUT_TMA:
         # dW as [E * M, N] (M a multiple of BLOCK_M): the tile goes out by an asynchronous
         # bulk store, and the program moves on while the copy engine drains it.
         dw_desc.store([expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N],
@@ -277,9 +218,7 @@ def _expert_wgrad_kernel(
     GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
-    OUT_TMA: tl.constexpr, PERSISTENT: tl.constexpr, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr,
-    ADAMW: tl.constexpr, FUSED_MATH: tl.constexpr, PRECISE: tl.constexpr,
-    EMULATE_FMA: tl.constexpr,
+    OUT_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:
         # One program an SM walks the tiles in the same order; the K loop inside stays the
@@ -289,33 +228,20 @@ def _expert_wgrad_kernel(
                         expert_start_ptr, expert_count_ptr, M, N, num_tokens, num_slots,
                         stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R,
                         ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PADDED, L_TMA, R_TMA,
-                        OUT_TMA, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, ADAMW, FUSED_MATH,
-                        PRECISE, EMULATE_FMA)
+                        OUT_TMA)
     else:
         _wgrad_tile(tl.program_id(0), l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc,
                     slot_token_ptr, expert_start_ptr, expert_count_ptr, M, N, num_tokens,
                     num_slots, stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R,
                     ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PADDED, L_TMA, R_TMA,
-                    OUT_TMA, m_ptr, v_ptr, lr_ptr, bias_ptr, hyper_ptr, ADAMW, FUSED_MATH,
-                    PRECISE, EMULATE_FMA)
+                    OUT_TMA)
 
 
 def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gather_r: bool,
-                 cfg: GemmConfig | None = None, accumulate: bool = False,
-                 adamw: AdamWEpilogue | None = None):
+                 cfg: GemmConfig | None = None, accumulate: bool = False):
     """Fill out_EMN [E, M, N] (every element) with the per-expert sums above, or add them
-    to it (`accumulate`). With `adamw` the sums are not stored: each tile updates
-    adamw.p / m / v by AdamW in its epilogue (out_EMN must be adamw.p)."""
+    to it (`accumulate`)."""
     num_experts, m, n = out_EMN.shape
-    if adamw is not None:
-        if accumulate or out_EMN is not adamw.p:
-            raise ValueError("expert_wgrad: adamw= updates out_EMN, which must be adamw.p, "
-                             "and cannot accumulate")
-        for name, t in (("exp_avg", adamw.m), ("exp_avg_sq", adamw.v)):
-            if t.shape != out_EMN.shape or t.dtype != out_EMN.dtype \
-                    or t.stride() != out_EMN.stride():
-                raise ValueError(f"expert_wgrad: {name} is {t.dtype} {list(t.shape)}, the "
-                                 f"param {out_EMN.dtype} {list(out_EMN.shape)}")
     cfg = cfg or wgrad_config(n, l_rows.device)
     padded = PADDED_K and routes.block_m % cfg.block_k == 0
     l_desc = r_desc = None
@@ -326,10 +252,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
         if not gather_r and tma.matrix_fits(r_rows, (cfg.block_k, cfg.block_n)):
             r_desc = tma.descriptor(r_rows, (cfg.block_k, cfg.block_n))
     LAST_WGRAD_PLAN[gather_l] = (padded, l_desc is not None or r_desc is not None)
-    dw_desc = None if adamw is not None else _out_desc(out_EMN, cfg, accumulate)
-    fused_math = adamw is not None and (out_EMN.dtype != torch.float32
-                                        if adamw.fused_math is None else adamw.fused_math)
-    extra = {"enable_fp_fusion": False} if adamw is not None else {}
+    dw_desc = _out_desc(out_EMN, cfg, accumulate)
     num_tiles = num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     persistent = cfg.persistent and tma.persistent_available()
     LAST_WGRAD_STORE[gather_l] = (persistent, dw_desc is not None)
@@ -345,20 +268,12 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
             out_EMN.stride(1), GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             PADDED=padded, L_TMA=l_desc is not None, R_TMA=r_desc is not None,
-            OUT_TMA=dw_desc is not None, PERSISTENT=persistent,
-            m_ptr=out_EMN if adamw is None else adamw.m,
-            v_ptr=out_EMN if adamw is None else adamw.v,
-            lr_ptr=out_EMN if adamw is None else adamw.lr,
-            bias_ptr=out_EMN if adamw is None else adamw.bias,
-            hyper_ptr=out_EMN if adamw is None else adamw.hyper, ADAMW=adamw is not None,
-            FUSED_MATH=fused_math, PRECISE=adamw is None or adamw.precise,
-            EMULATE_FMA=interpreting(), **c.launch_options(), **extra)
+            OUT_TMA=dw_desc is not None, PERSISTENT=persistent, **c.launch_options())
 
     if not l_rows.is_cuda:
         launch(cfg)
     else:  # fp32 operands need twice a stage's shared memory: fewer stages, same sums
-        gl.fitted("wgrad", cfg, (l_rows.dtype, m, n, gather_l, dw_desc is not None,
-                                 adamw is not None), launch)
+        gl.fitted("wgrad", cfg, (l_rows.dtype, m, n, gather_l, dw_desc is not None), launch)
     return out_EMN
 
 
