@@ -9,8 +9,10 @@ name to the installed package when there is one, and stays an empty module other
 """
 
 if __name__ == "kernels":
-    def _installed_kernels():
-        """The `kernels` package found with the repository root off sys.path, or None."""
+    def _hand_over():
+        """Import `kernels` with the repository root off sys.path: found, it takes this
+        module's place in sys.modules (which the import statement returns); not found, this
+        module goes back."""
         import importlib
         import sys
         from pathlib import Path
@@ -20,16 +22,11 @@ if __name__ == "kernels":
         saved = sys.path[:]
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
         try:
-            return importlib.import_module("kernels")
+            importlib.import_module("kernels")
         except ImportError:
-            return None
+            sys.modules["kernels"] = here
         finally:
             sys.path[:] = saved
-            if "kernels" not in sys.modules or sys.modules["kernels"] is None:
-                sys.modules["kernels"] = here
 
-    _real = _installed_kernels()
-    if _real is not None:
-        # The import statement returns sys.modules["kernels"] once this body has run.
-        __import__("sys").modules["kernels"] = _real
-    del _installed_kernels, _real
+    _hand_over()
+    del _hand_over

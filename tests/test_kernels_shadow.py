@@ -2,6 +2,7 @@
 sys.path, as under `python -m pytest`), must not hide an installed package of that name:
 transformers >= 5.25 imports names from the `kernels` hub package it requires."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(code: str, env_path: str | None = None) -> str:
-    import os
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     if env_path:
