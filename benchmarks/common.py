@@ -204,6 +204,20 @@ def interleaved_ms(fns: dict, reps: int, rounds: int = 5, warmup: int = 2,
                 "sm_mhz": statistics.median(mhz[n]) if mhz[n] else None} for n in names}
 
 
+def time_led_graphs(recs: list[dict], graphs: dict, rounds: int, burst_ms: float) -> None:
+    """Time each graph's replay with interleaved_ms (graphs["default"] among them), each timed
+    burst about `burst_ms` long and led by as long an untimed burst of the default's; write
+    `ms`, `sm_mhz`, `reps` and `ratio_to_default` into the record whose `entry` names it."""
+    one = interleaved_ms({"default": graphs["default"].replay}, 1, 1, warmup=2)
+    reps = max(3, round(burst_ms / max(one["default"]["ms"], 1e-3)))
+    timed = interleaved_ms({n: g.replay for n, g in graphs.items()}, reps, rounds, warmup=1,
+                           lead=graphs["default"].replay)
+    for rec in recs:
+        if rec["entry"] in timed:
+            rec.update(timed[rec["entry"]], reps=reps,
+                       ratio_to_default=timed[rec["entry"]]["ms"] / timed["default"]["ms"])
+
+
 def capture_graph(fn):
     """fn captured in one CUDA graph, after three warm-up calls on a side stream."""
     import torch

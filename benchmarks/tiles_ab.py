@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import capture_graph, default_out, environment, error_text, interleaved_ms, \
+from common import capture_graph, default_out, environment, error_text, time_led_graphs, \
     write_json
 from experts import SHAPES, fwd_flops, leaves_of, load_stats, make_case
 
@@ -113,16 +113,10 @@ def run_case(T, routing, alts, args) -> list[dict]:
             rec["error"] = error_text(exc)
         recs.append(rec)
     if "default" in graphs:
-        one = interleaved_ms({"default": graphs["default"].replay}, 1, 1, warmup=2)
-        reps = max(3, round(60 / max(one["default"]["ms"], 1e-3)))
-        timed = interleaved_ms({n: g.replay for n, g in graphs.items()}, reps, args.rounds,
-                               warmup=1, lead=graphs["default"].replay)
-        flops = 3 * fwd_flops("qwen3", T)
+        time_led_graphs(recs, graphs, args.rounds, 60)
         for rec in recs:
-            if rec["entry"] in timed:
-                rec.update(timed[rec["entry"]], reps=reps)
-                rec["tflops"] = flops / rec["ms"] / 1e9
-                rec["ratio_to_default"] = rec["ms"] / timed["default"]["ms"]
+            if "ms" in rec:
+                rec["tflops"] = 3 * fwd_flops("qwen3", T) / rec["ms"] / 1e9
     del graphs, outs
     torch.cuda.empty_cache()
     return recs

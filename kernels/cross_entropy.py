@@ -43,6 +43,23 @@ def _block_v(vocab: int, device: torch.device, cap: int) -> int:
 
 
 @triton.jit
+def _online_max_sum(row_ptr, lo, hi, BLOCK_V: tl.constexpr):
+    """(m, d) of the columns [lo, hi) of one row: m their max, d the sum of exp(x - m).
+    Online: a running scalar max and per-lane sums rescaled to it, so each block costs one
+    cross-lane reduction (the max); the lanes are summed once at the end."""
+    cols = tl.arange(0, BLOCK_V)
+    m = float("-inf")
+    d = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_V):
+        x = tl.load(row_ptr + start + cols, mask=start + cols < hi,
+                    other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        d = d * tl.exp(m - m_new) + tl.exp(x - m_new)
+        m = m_new
+    return m, tl.sum(d, axis=0)
+
+
+@triton.jit
 def _ce_fwd_kernel(
     logits_ptr, labels_ptr, lse_ptr, loss_ptr,
     V, stride_row, ignore_index,
@@ -52,24 +69,60 @@ def _ce_fwd_kernel(
     label = tl.load(labels_ptr + row)
     valid = label != ignore_index
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    cols = tl.arange(0, BLOCK_V)
-    # Online logsumexp: a running scalar max m and per-lane sums d rescaled to it, so each
-    # block costs one cross-lane reduction (the max); the lanes are summed once at the end.
-    m = float("-inf")
-    d = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    n_cols = tl.where(valid, V, 0)  # an ignored row reads nothing
-    for start in range(0, n_cols, BLOCK_V):
-        x = tl.load(row_ptr + start + cols, mask=start + cols < V,
-                    other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        d = d * tl.exp(m - m_new) + tl.exp(x - m_new)
-        m = m_new
-    lse = m + tl.log(tl.where(valid, tl.sum(d, axis=0), 1.0))  # the sum is >= 1 if valid
+    m, d = _online_max_sum(row_ptr, 0, tl.where(valid, V, 0), BLOCK_V)  # ignored: no read
+    lse = m + tl.log(tl.where(valid, d, 1.0))  # the sum is >= 1 if valid
     in_range = (label >= 0) & (label < V)
     x_label = tl.load(row_ptr + label, mask=valid & in_range,
                       other=float("nan")).to(tl.float32)
     tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
     tl.store(loss_ptr + row, tl.where(valid, lse - x_label, 0.0))
+
+
+@triton.jit
+def _ce_fwd_chunk_kernel(
+    logits_ptr, labels_ptr, part_ptr, V, stride_row, ignore_index, CHUNK,
+    BLOCK_V: tl.constexpr,
+):
+    """Program (row, c): the max m and the sum d of exp(x - m) over the row's columns
+    [c * CHUNK, (c + 1) * CHUNK), online as _ce_fwd_kernel, into part[row, c] = (m, d)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    label = tl.load(labels_ptr + row)
+    valid = label != ignore_index
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    lo = chunk * CHUNK
+    m, d = _online_max_sum(row_ptr, lo, tl.where(valid, tl.minimum(lo + CHUNK, V), lo),
+                           BLOCK_V)  # an ignored row reads nothing
+    out = part_ptr + (row.to(tl.int64) * tl.num_programs(1) + chunk) * 2
+    tl.store(out, m)
+    tl.store(out + 1, d)
+
+
+@triton.jit
+def _ce_fwd_combine_kernel(
+    logits_ptr, labels_ptr, part_ptr, lse_ptr, loss_ptr, n_rows, V, stride_row,
+    ignore_index, NUM_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """lse and loss of BLOCK_R rows from their chunks' (m, d): lse = M + log(sum_c d_c *
+    exp(m_c - M)), M = max_c m_c, the chunks summed in one fixed order."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (label != ignore_index)
+    c = tl.arange(0, BLOCK_C)
+    at = part_ptr + (rows.to(tl.int64) * NUM_CHUNKS)[:, None] * 2 + c[None, :] * 2
+    mask = valid[:, None] & (c[None, :] < NUM_CHUNKS)
+    m = tl.load(at, mask=mask, other=float("-inf"))
+    d = tl.load(at + 1, mask=mask, other=0.0)
+    big = tl.max(m, axis=1)
+    big = tl.where(valid, big, 0.0)
+    s = tl.sum(tl.where(mask, d * tl.exp(m - big[:, None]), 0.0), axis=1)
+    lse = big + tl.log(tl.where(valid, s, 1.0))  # the sum is >= 1 if valid
+    in_range = (label >= 0) & (label < V)
+    x_label = tl.load(logits_ptr + rows.to(tl.int64) * stride_row + label,
+                      mask=valid & in_range, other=float("nan")).to(tl.float32)
+    tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_ok)
+    tl.store(loss_ptr + rows, tl.where(valid, lse - x_label, 0.0), mask=row_ok)
 
 
 @triton.jit
@@ -107,9 +160,14 @@ def _check_rows(name: str, rows_TV: torch.Tensor, labels_T: torch.Tensor) -> Non
 
 
 def cross_entropy_forward(logits_TV: torch.Tensor, labels_T: torch.Tensor,
-                          ignore_index: int = -100, block_v: int | None = None
+                          ignore_index: int = -100, block_v: int | None = None,
+                          chunk: int | None = None, num_warps: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse [T] fp32, loss [T] fp32) of the rows of logits_TV; see the module docstring."""
+    """(lse [T] fp32, loss [T] fp32) of the rows of logits_TV; see the module docstring.
+    `chunk` (columns, a multiple of the block) splits each row over cdiv(V, chunk) programs
+    whose (max, sum) pairs a second kernel combines (`_ce_fwd_chunk_kernel`): more loads in
+    flight than one program a row; lse then differs from the one-program value in its last
+    bits (another summation order), deterministic at any one chunk."""
     _check_rows("logits", logits_TV, labels_T)
     num_rows, vocab = logits_TV.shape
     labels_T = labels_T.contiguous()
@@ -120,9 +178,25 @@ def cross_entropy_forward(logits_TV: torch.Tensor, labels_T: torch.Tensor,
     # One program streams one row. H200, T = 1024, V = 151936 bf16 (benchmarks/loss.py
     # --sweep): 8192 x 8 warps 0.093 ms (3.3 TB/s); 2048 x 8 0.142; 16384 x 8 0.136.
     block = block_v or _block_v(vocab, logits_TV.device, 8192)
-    _ce_fwd_kernel[(num_rows,)](
-        logits_TV, labels_T, lse_T, loss_T, vocab, logits_TV.stride(0), ignore_index,
-        BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
+    warps = num_warps or (8 if block >= 2048 else 4)
+    if chunk is None or chunk >= vocab:
+        _ce_fwd_kernel[(num_rows,)](
+            logits_TV, labels_T, lse_T, loss_T, vocab, logits_TV.stride(0), ignore_index,
+            BLOCK_V=block, num_warps=warps)
+        return lse_T, loss_T
+    if chunk % block:
+        raise ValueError(f"cross_entropy: chunk {chunk} is not a multiple of the block {block}")
+    num_chunks = triton.cdiv(vocab, chunk)
+    part = torch.empty((num_rows, num_chunks, 2), dtype=torch.float32,
+                       device=logits_TV.device)
+    _ce_fwd_chunk_kernel[(num_rows, num_chunks)](
+        logits_TV, labels_T, part, vocab, logits_TV.stride(0), ignore_index, chunk,
+        BLOCK_V=block, num_warps=warps)
+    block_r = 64
+    _ce_fwd_combine_kernel[(triton.cdiv(num_rows, block_r),)](
+        logits_TV, labels_T, part, lse_T, loss_T, num_rows, vocab, logits_TV.stride(0),
+        ignore_index, NUM_CHUNKS=num_chunks, BLOCK_R=block_r,
+        BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4)
     return lse_T, loss_T
 
 

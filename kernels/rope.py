@@ -44,11 +44,13 @@ import triton.language as tl
 from .rmsnorm import num_partials, reduce_dw, round_to, scratch
 
 ROWS_PER_TILE = 16  # rows (one head of one token each) per forward program tile
+FWD_WARPS = 4
 LAYOUTS = ("bnsd", "bsnd")
 # The backward's row blocks and programs: each program loops over its blocks in a fixed order
 # (the dW partials' sum order), so several programs per SM keep enough loads in flight.
 BWD_ROWS = 32
 BWD_PROGRAMS_PER_SM = 8
+BWD_WARPS = 4
 
 
 @triton.jit
@@ -184,10 +186,12 @@ def _check_tables(shape_BSND, dtype: torch.dtype, cos_SD: torch.Tensor, sin_SD: 
 
 
 def rope_forward(x_BSND: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
-                 weight: torch.Tensor | None = None, eps: float = 1e-6, layout: str = "bnsd"
+                 weight: torch.Tensor | None = None, eps: float = 1e-6, layout: str = "bnsd",
+                 rows: int = ROWS_PER_TILE, num_warps: int = FWD_WARPS
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y [B, N, S, D] in `layout`, rstd [B*S*N] fp32 or None): rope of x, after an RMSNorm
-    over each head with `weight` when given; see the module docstring."""
+    over each head with `weight` when given; see the module docstring. `rows` (a power of
+    two) and `num_warps` set the tile (the same results at any)."""
     _check(x_BSND, cos_SD, sin_SD, weight)
     if layout not in LAYOUTS:
         raise ValueError(f"rope: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -204,24 +208,26 @@ def rope_forward(x_BSND: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tenso
         return y, rstd
     half = D // 2
     block_h = triton.next_power_of_2(half)
-    _rope_fwd_kernel[(triton.cdiv(n_rows, ROWS_PER_TILE),)](
+    _rope_fwd_kernel[(triton.cdiv(n_rows, rows),)](
         x_BSND, weight if weight is not None else cos_SD, cos_SD, sin_SD, y,
         rstd if rstd is not None else y, n_rows, S, N, half, D,
         x_BSND.stride(0), x_BSND.stride(1), x_BSND.stride(2), cos_SD.stride(0),
         float(eps), 1.0 / D, HAS_NORM=weight is not None, OUT_BSND=layout == "bsnd",
-        BLOCK_R=ROWS_PER_TILE,
-        BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False)
+        BLOCK_R=rows, BLOCK_H=block_h, num_warps=num_warps, enable_fp_fusion=False)
     return y, rstd
 
 
 def rope_backward(dy_BNSD: torch.Tensor, x_BSND: torch.Tensor | None, cos_SD: torch.Tensor,
                   sin_SD: torch.Tensor, weight: torch.Tensor | None = None,
                   rstd: torch.Tensor | None = None, need_dw: bool = True,
-                  dw_out: torch.Tensor | None = None, accumulate: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  dw_out: torch.Tensor | None = None, accumulate: bool = False,
+                  rows: int = BWD_ROWS, programs_per_sm: int = BWD_PROGRAMS_PER_SM,
+                  num_warps: int = BWD_WARPS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx [B, S, N, D] contiguous in dy's dtype, dW or None). x and rstd are needed only
     with the norm (weight given; x may be None without); dW, norm only, goes into dw_out when
-    given (written, or added with `accumulate`) and is then returned as None."""
+    given (written, or added with `accumulate`) and is then returned as None. `rows` (a power
+    of two), `programs_per_sm` and `num_warps` set the tiling: dx is the same at any; dW's
+    fp32 partials, one per program, are summed in another order at another program count."""
     if dy_BNSD.dim() != 4:
         raise ValueError(f"rope: dy must be [B, N, S, D], got shape {list(dy_BNSD.shape)}")
     B, N, S, D = dy_BNSD.shape
@@ -251,16 +257,16 @@ def rope_backward(dy_BNSD: torch.Tensor, x_BSND: torch.Tensor | None, cos_SD: to
         return dx, None
     half = D // 2
     block_h = triton.next_power_of_2(half)
-    n_blocks = triton.cdiv(n_rows, BWD_ROWS)
-    n_parts = num_partials(dx.device, n_blocks, BWD_PROGRAMS_PER_SM) if need_dw else n_blocks
+    n_blocks = triton.cdiv(n_rows, rows)
+    n_parts = num_partials(dx.device, n_blocks, programs_per_sm) if need_dw else n_blocks
     part = scratch((n_parts, D), dx.device) if need_dw else dx  # dx: an unused pointer
     _rope_bwd_kernel[(n_parts,)](
         dy_BNSD, x_BSND, weight if has_norm else cos_SD, rstd if has_norm else dx,
         cos_SD, sin_SD, dx, part, n_rows, S, N, half, D,
         dy_BNSD.stride(0), dy_BNSD.stride(1), dy_BNSD.stride(2),
         x_BSND.stride(0), x_BSND.stride(1), x_BSND.stride(2), cos_SD.stride(0), 1.0 / D,
-        n_blocks, HAS_NORM=has_norm, HAS_DW=need_dw, BLOCK_R=BWD_ROWS, BLOCK_H=block_h,
-        num_warps=4, enable_fp_fusion=False)
+        n_blocks, HAS_NORM=has_norm, HAS_DW=need_dw, BLOCK_R=rows, BLOCK_H=block_h,
+        num_warps=num_warps, enable_fp_fusion=False)
     if not need_dw:
         return dx, None
     dw = reduce_dw(part, dx.dtype, weight.dtype, dw_out, accumulate)

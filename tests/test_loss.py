@@ -299,3 +299,32 @@ def test_bf16_qwen3_head_on_gpu_matches_fp32_and_uses_less_memory():
         rel = ((g.float() - r).norm() / r.norm()).item()
         assert rel < 1e-2, (name, rel)
     assert peak_fused < peak_bf16, (peak_fused, peak_bf16)
+
+
+@pytest.mark.parametrize("chunk", [64, 128, 192])
+def test_row_chunks_match_one_program_a_row_and_skip_padding_and_ignored_rows(chunk):
+    """cross_entropy_forward(chunk=...): each row over cdiv(V, chunk) programs, combined;
+    the same lse and loss as one program a row within a few ulps, ignored rows zero, NaN in
+    the padding columns and the ignored rows never read."""
+    T, V, pad = 33, 257, 7
+    _, _, labels = _case(T, V, seed=10)
+    ignored = labels == -100
+    logits = torch.randn(T, V, generator=torch.Generator().manual_seed(10)).to(DEV) * 3
+    buf = torch.full((T, V + pad), math.nan, device=DEV)
+    buf[:, :V] = logits
+    buf[ignored] = math.nan
+    lse, loss = cross_entropy_forward(buf[:, :V], labels, block_v=64, chunk=chunk)
+    one_lse, one_loss = cross_entropy_forward(logits, labels, block_v=64)
+    _close(lse, one_lse, "lse")
+    _close(loss, one_loss, "loss")
+    _close(loss, F.cross_entropy(logits, labels, reduction="none"), "loss per row")
+    assert (lse[ignored] == 0).all() and (loss[ignored] == 0).all()
+    again = cross_entropy_forward(buf[:, :V], labels, block_v=64, chunk=chunk)
+    assert torch.equal(again[0], lse) and torch.equal(again[1], loss)
+
+
+def test_row_chunk_not_a_multiple_of_the_block_is_refused():
+    logits = torch.randn(3, 100, device=DEV)
+    with pytest.raises(ValueError, match="multiple of the block"):
+        cross_entropy_forward(logits, torch.zeros(3, dtype=torch.long, device=DEV),
+                              block_v=64, chunk=96)

@@ -119,11 +119,17 @@ def route_grouped(x_TH: torch.Tensor, w_router_EH: torch.Tensor, bias_E: torch.T
     return topk_ids_TK, topk_weights_TK.to(x_TH.dtype), probs_TE
 
 
-def expert_load_E(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Routes per expert [E] fp32, counted on the device (scatter_add; no bincount)."""
+def expert_counts_E(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per expert [E] fp32, counted on the device (scatter_add; no bincount, which
+    syncs). Exact while no expert has 2**24 routes."""
     ids = topk_ids_TK.reshape(-1)
     return torch.zeros(num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
         0, ids, torch.ones(ids.numel(), dtype=torch.float32, device=ids.device))
+
+
+def expert_load_E(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per expert [E] fp32 (DeepSeek-V3's balancing load)."""
+    return expert_counts_E(topk_ids_TK, num_experts)
 
 
 @torch.no_grad()
@@ -135,11 +141,7 @@ def update_correction_bias_(bias_E: torch.Tensor, load_E: torch.Tensor, rate: fl
 
 def aux_stats(topk_ids_TK: torch.Tensor, probs_TE: torch.Tensor) -> torch.Tensor:
     """Per-layer load-balancing statistics `[2, E]` fp32: row 0 top-k counts, row 1 prob sums."""
-    num_experts = probs_TE.shape[-1]
-    counts_E = torch.zeros(num_experts, dtype=torch.float32, device=probs_TE.device)
-    counts_E = counts_E.scatter_add(
-        0, topk_ids_TK.reshape(-1), torch.ones(topk_ids_TK.numel(), dtype=torch.float32,
-                                               device=probs_TE.device))
+    counts_E = expert_counts_E(topk_ids_TK, probs_TE.shape[-1])
     return torch.stack([counts_E, probs_TE.sum(dim=0)])
 
 
