@@ -14,7 +14,8 @@ compared with the default's (`equal_default`, bitwise; `max_abs_diff` where an a
 sums in another order). Then `--rounds` rounds in which each graph replays back to back for
 about 20 ms, each burst led by as long an untimed burst of the default's, the order shuffled a
 round (common.interleaved_ms): the median ms, the SM clock, the ratio to the default, and
-GB/s of the bytes the kernel must move (`bytes`) beside `copy`, a clone of as many bytes.
+GB/s of the bytes the kernel must move (`bytes`, read and written) beside `copy`, a clone
+that reads and writes as many bytes in all.
 
 Writes elementwise_ab.json (--out; default $OUT/elementwise_ab.json, else
 benchmarks/results/).
@@ -56,10 +57,8 @@ def rope_fwd_entries(T: int) -> tuple[dict, int]:
         return lambda: [t for x, w in pairs
                         for t in rope_forward(x, cos, sin, w, 1e-6, "bsnd", **kw)]
     out = {"default": entry(), "twin": entry()}
-    for rows in (8, 32, 64):
-        for warps in (2, 4, 8):
-            out[f"r{rows}w{warps}"] = entry(rows=rows, num_warps=warps)
-    out["r16w2"], out["r16w8"] = entry(rows=16, num_warps=2), entry(rows=16, num_warps=8)
+    for rows, warps in ((8, 2), (16, 2), (32, 4), (32, 8), (64, 8)):
+        out[f"r{rows}w{warps}"] = entry(rows=rows, num_warps=warps)
     return out, nbytes
 
 
@@ -78,12 +77,11 @@ def rope_bwd_entries(T: int) -> tuple[dict, int]:
         return lambda: [t for dy, x, w, rstd in cases
                         for t in rope_backward(dy, x, cos, sin, w, rstd, **kw)]
     out = {"default": entry(), "twin": entry()}
-    for rows in (16, 32, 64):
-        for per_sm in (4, 8, 16, 1024):
-            for warps in (4, 8):
-                if (rows, per_sm, warps) != (32, 8, 4):
-                    out[f"r{rows}p{per_sm}w{warps}"] = entry(rows=rows, programs_per_sm=per_sm,
-                                                             num_warps=warps)
+    for rows, per_sm, warps in ((32, 4, 4), (64, 4, 8), (32, 8, 4), (32, 16, 4), (16, 8, 4),
+                                (16, 8, 2), (32, 8, 2), (64, 8, 4), (64, 16, 8)):
+        out[f"r{rows}p{per_sm}w{warps}+lanes"] = entry(rows=rows, programs_per_sm=per_sm,
+                                                       num_warps=warps, dw_lanes=True)
+    out["r32p4w4"] = entry(rows=32, programs_per_sm=4)
     return out, nbytes
 
 
@@ -96,11 +94,9 @@ def ce_fwd_entries(T: int) -> tuple[dict, int]:
     def entry(**kw):
         return lambda: list(cross_entropy_forward(logits, labels, **kw))
     out = {"default": entry(), "twin": entry()}
-    out["w4"] = entry(num_warps=4)
-    out["b4096"] = entry(block_v=4096)
-    for block in (4096, 8192):
-        for chunk in (16384, 32768, 65536):
-            for warps in (4, 8):
+    for block, warps in ((2048, 4), (4096, 4), (4096, 2), (2048, 2)):
+        for chunk in (49152, 65536, 77824):
+            if chunk % block == 0:
                 out[f"c{chunk}b{block}w{warps}"] = entry(block_v=block, chunk=chunk,
                                                          num_warps=warps)
     return out, logits.numel() * 2
@@ -116,12 +112,9 @@ def counts_entries(T: int) -> tuple[dict, int]:
         return [torch.zeros(EXPERTS, dtype=torch.float32, device="cuda").scatter_add_(
             0, flat, torch.ones(flat.numel(), dtype=torch.float32, device="cuda"))]
 
-    def compare():
-        return [(ids.reshape(-1, 1) == torch.arange(EXPERTS, device="cuda")).sum(
-            0, dtype=torch.float32)]
     return {"default": lambda: [expert_counts_E(ids, EXPERTS)],
             "twin": lambda: [expert_counts_E(ids, EXPERTS)],
-            "scatter_add": scatter, "compare_sum": compare}, ids.numel() * 8
+            "scatter_add": scatter}, ids.numel() * 8
 
 
 MAKERS = {"rope_fwd": rope_fwd_entries, "rope_bwd": rope_bwd_entries,
@@ -131,7 +124,7 @@ MAKERS = {"rope_fwd": rope_fwd_entries, "rope_bwd": rope_bwd_entries,
 def run_group(group: str, T: int, rounds: int) -> list[dict]:
     import torch
     fns, nbytes = MAKERS[group](T)
-    src = torch.empty(max(nbytes // 2, 1), dtype=torch.bfloat16, device="cuda")
+    src = torch.empty(max(nbytes // 4, 1), dtype=torch.bfloat16, device="cuda")  # r + w
     fns["copy"] = lambda: [src.clone()]
     graphs, outs, recs = {}, {}, []
     for name, fn in fns.items():

@@ -51,6 +51,7 @@ LAYOUTS = ("bnsd", "bsnd")
 BWD_ROWS = 32
 BWD_PROGRAMS_PER_SM = 8
 BWD_WARPS = 4
+BWD_DW_LANES = False
 
 
 @triton.jit
@@ -103,7 +104,7 @@ def _rope_bwd_kernel(
     n_rows, S, N, half, D, stride_db, stride_dn, stride_ds, stride_xb, stride_xs, stride_xn,
     stride_cs, inv_d, n_blocks,
     HAS_NORM: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, DW_LANES: tl.constexpr,
 ):
     DT: tl.constexpr = dx_ptr.dtype.element_ty
     inv_d = tl.full([], inv_d, tl.float32)
@@ -113,8 +114,14 @@ def _rope_bwd_kernel(
     if HAS_NORM:
         w1 = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + half + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw1 = tl.zeros([BLOCK_H], dtype=tl.float32)
-    dw2 = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # DW_LANES: dW summed per (row lane, column) over the loop and over the lanes once at
+    # the end, not over the rows of every block (a cross-warp reduction a block).
+    if DW_LANES:
+        dw1 = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+        dw2 = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    else:
+        dw1 = tl.zeros([BLOCK_H], dtype=tl.float32)
+        dw2 = tl.zeros([BLOCK_H], dtype=tl.float32)
     # Program pid takes row blocks pid, pid + P, ...: a fixed assignment, a fixed sum order.
     for blk in range(pid, n_blocks, tl.num_programs(0)):
         rows = blk * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -141,7 +148,10 @@ def _rope_bwd_kernel(
             x1 = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(x_row + half, mask=mask, other=0.0).to(tl.float32)
             r = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-            if HAS_DW:
+            if HAS_DW and DW_LANES:
+                dw1 += round_to(g1 * round_to(x1 * r[:, None], DT), DT)
+                dw2 += round_to(g2 * round_to(x2 * r[:, None], DT), DT)
+            elif HAS_DW:
                 dw1 += tl.sum(round_to(g1 * round_to(x1 * r[:, None], DT), DT), axis=0)
                 dw2 += tl.sum(round_to(g2 * round_to(x2 * r[:, None], DT), DT), axis=0)
             gc1 = round_to(g1 * w1[None, :], DT)
@@ -153,6 +163,8 @@ def _rope_bwd_kernel(
         tl.store(dx_row, g1.to(DT), mask=mask)
         tl.store(dx_row + half, g2.to(DT), mask=mask)
     if HAS_DW:
+        if DW_LANES:
+            dw1, dw2 = tl.sum(dw1, axis=0), tl.sum(dw2, axis=0)
         part_row = dw_part_ptr + pid.to(tl.int64) * D + cols
         tl.store(part_row, dw1, mask=col_ok)
         tl.store(part_row + half, dw2, mask=col_ok)
@@ -191,7 +203,8 @@ def rope_forward(x_BSND: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tenso
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y [B, N, S, D] in `layout`, rstd [B*S*N] fp32 or None): rope of x, after an RMSNorm
     over each head with `weight` when given; see the module docstring. `rows` (a power of
-    two) and `num_warps` set the tile (the same results at any)."""
+    two) and `num_warps` set the tile; with the norm, the row's sum of squares is then
+    formed in another order (rstd, and so y, within an ulp of another tile's)."""
     _check(x_BSND, cos_SD, sin_SD, weight)
     if layout not in LAYOUTS:
         raise ValueError(f"rope: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -222,12 +235,14 @@ def rope_backward(dy_BNSD: torch.Tensor, x_BSND: torch.Tensor | None, cos_SD: to
                   rstd: torch.Tensor | None = None, need_dw: bool = True,
                   dw_out: torch.Tensor | None = None, accumulate: bool = False,
                   rows: int = BWD_ROWS, programs_per_sm: int = BWD_PROGRAMS_PER_SM,
-                  num_warps: int = BWD_WARPS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  num_warps: int = BWD_WARPS, dw_lanes: bool = BWD_DW_LANES
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx [B, S, N, D] contiguous in dy's dtype, dW or None). x and rstd are needed only
     with the norm (weight given; x may be None without); dW, norm only, goes into dw_out when
     given (written, or added with `accumulate`) and is then returned as None. `rows` (a power
-    of two), `programs_per_sm` and `num_warps` set the tiling: dx is the same at any; dW's
-    fp32 partials, one per program, are summed in another order at another program count."""
+    of two), `programs_per_sm` and `num_warps` set the tiling, `dw_lanes` whether a program
+    sums dW per row lane until its last block (see the kernel): dx is the same at any; dW's
+    fp32 partials, one per program, are summed in another order at another tiling."""
     if dy_BNSD.dim() != 4:
         raise ValueError(f"rope: dy must be [B, N, S, D], got shape {list(dy_BNSD.shape)}")
     B, N, S, D = dy_BNSD.shape
@@ -266,7 +281,7 @@ def rope_backward(dy_BNSD: torch.Tensor, x_BSND: torch.Tensor | None, cos_SD: to
         dy_BNSD.stride(0), dy_BNSD.stride(1), dy_BNSD.stride(2),
         x_BSND.stride(0), x_BSND.stride(1), x_BSND.stride(2), cos_SD.stride(0), 1.0 / D,
         n_blocks, HAS_NORM=has_norm, HAS_DW=need_dw, BLOCK_R=rows, BLOCK_H=block_h,
-        num_warps=num_warps, enable_fp_fusion=False)
+        DW_LANES=dw_lanes, num_warps=num_warps, enable_fp_fusion=False)
     if not need_dw:
         return dx, None
     dw = reduce_dw(part, dx.dtype, weight.dtype, dw_out, accumulate)

@@ -289,6 +289,41 @@ def _place_routes_kernel(ids_ptr, keep_ptr, chunk_bases_ptr, expert_starts_ptr,
     tl.store(slot_route_ptr + slot, offs, mask=placed)
 
 
+def _tiles(num_experts: int, dev: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_E, BLOCK_N, BLOCK_B, warps) of the build's kernels."""
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    if dev.type == "cuda":  # the one-hot count tile is BLOCK_N x BLOCK_E: 16K lanes at most
+        return block_e, max(16, min(128, 16384 // block_e)), 16, 4
+    return block_e, 16, 4, 1  # the interpreter: small chunks, so tests cross chunk bounds
+
+
+def _count(ids_N, keep_N, has_keep: bool, num_experts: int):
+    """Steps 1 and 2: (chunk_counts [C, E] scanned to each chunk's first rank, the totals
+    expert_counts [E]), int32."""
+    block_e, block_n, _, warps = _tiles(num_experts, ids_N.device)
+    block_c, block_eg = (128, 16) if ids_N.device.type == "cuda" else (4, 8)
+    num_routes = ids_N.numel()
+    num_chunks = max(1, triton.cdiv(num_routes, block_n))
+    chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32,
+                               device=ids_N.device)
+    expert_counts = torch.empty(num_experts, dtype=torch.int32, device=ids_N.device)
+    _chunk_counts_kernel[(num_chunks,)](
+        ids_N, keep_N, chunk_counts, num_routes, num_experts,
+        HAS_KEEP=has_keep, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps)
+    _chunk_bases_kernel[(triton.cdiv(num_experts, block_eg),)](
+        chunk_counts, expert_counts, num_chunks, num_experts,
+        BLOCK_C=block_c, BLOCK_EG=block_eg, num_warps=warps)
+    return chunk_counts, expert_counts
+
+
+def count_routes(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per expert [E] int32 by the build's steps 1 and 2: per-chunk one-hot sums, then
+    a fixed-order sum over the chunks; no atomics, no sync. An id outside [0, E) is not
+    counted. Any device where Triton runs (the interpreter on the CPU)."""
+    ids_N = topk_ids_TK.reshape(-1).contiguous()
+    return _count(ids_N, ids_N, False, num_experts)[1]
+
+
 def _build_route_list_triton(topk_ids_TK, num_experts, block_m, keep_TK, capacity, max_kept):
     num_tokens, top_k = topk_ids_TK.shape
     num_routes = num_tokens * top_k
@@ -298,20 +333,12 @@ def _build_route_list_triton(topk_ids_TK, num_experts, block_m, keep_TK, capacit
     num_blocks = S // block_m
     seg_capacity = 0 if capacity is None else -(-capacity // block_m) * block_m
 
-    block_e = max(16, triton.next_power_of_2(num_experts))
-    if dev.type == "cuda":
-        # The one-hot count tile is BLOCK_N x BLOCK_E: 16K lanes at most.
-        block_n, block_c, block_eg, block_b, warps = max(16, min(128, 16384 // block_e)), \
-            128, 16, 16, 4
-    else:  # the interpreter: small chunks, so the tests cross chunk and scan-tile bounds
-        block_n, block_c, block_eg, block_b, warps = 16, 4, 8, 4, 1
-    num_chunks = max(1, triton.cdiv(num_routes, block_n))
-
+    block_e, block_n, block_b, warps = _tiles(num_experts, dev)
     ids_N = topk_ids_TK.reshape(-1).contiguous()  # a [T, 1] slice may view with stride E
     keep_N = ids_N if keep_TK is None else keep_TK.reshape(-1).contiguous()  # unused if None
+    chunk_counts, expert_counts = _count(ids_N, keep_N, keep_TK is not None, num_experts)
+    num_chunks = chunk_counts.shape[0]
     i32 = dict(dtype=torch.int32, device=dev)
-    chunk_counts = torch.empty((num_chunks, num_experts), **i32)
-    expert_counts = torch.empty(num_experts, **i32)
     expert_starts = torch.empty(num_experts, **i32)
     slot_token = torch.empty(S, **i32)
     slot_route = torch.empty(S, **i32)
@@ -321,12 +348,6 @@ def _build_route_list_triton(topk_ids_TK, num_experts, block_m, keep_TK, capacit
     num_dropped = torch.empty(1, **i32)
 
     has_keep = keep_TK is not None
-    _chunk_counts_kernel[(num_chunks,)](
-        ids_N, keep_N, chunk_counts, num_routes, num_experts,
-        HAS_KEEP=has_keep, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps)
-    _chunk_bases_kernel[(triton.cdiv(num_experts, block_eg),)](
-        chunk_counts, expert_counts, num_chunks, num_experts,
-        BLOCK_C=block_c, BLOCK_EG=block_eg, num_warps=warps)
     _slot_blocks_kernel[(max(1, triton.cdiv(num_blocks, block_b)),)](
         expert_counts, expert_starts, block_expert, slot_token, slot_route, num_padded,
         num_dropped, num_blocks, num_experts, num_tokens, num_routes, block_m, seg_capacity,

@@ -120,8 +120,12 @@ def route_grouped(x_TH: torch.Tensor, w_router_EH: torch.Tensor, bias_E: torch.T
 
 
 def expert_counts_E(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Routes per expert [E] fp32, counted on the device (scatter_add; no bincount, which
-    syncs). Exact while no expert has 2**24 routes."""
+    """Routes per expert [E] fp32, counted on the device with no sync (bincount syncs): on
+    CUDA by route_align.count_routes (one-hot sums per chunk, no atomics), on the CPU by
+    scatter_add. Exact while no expert has 2**24 routes."""
+    if topk_ids_TK.is_cuda:
+        from moegraph_kernels.route_align import count_routes
+        return count_routes(topk_ids_TK, num_experts).float()
     ids = topk_ids_TK.reshape(-1)
     return torch.zeros(num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
         0, ids, torch.ones(ids.numel(), dtype=torch.float32, device=ids.device))

@@ -189,3 +189,21 @@ def test_unknown_impl_is_refused():
     ids, _ = make_routing("uniform", 4, 2, 4)
     with pytest.raises(ValueError, match="impl must be one of"):
         build_route_list(ids, 4, 8, impl="cub")
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 1, 4), (37, 3, 16), (50, 8, 130), (64, 4, 1)])
+def test_count_routes_matches_bincount_and_skips_out_of_range(T, k, E):
+    """route_align.count_routes (the interpreter on CPU): per-expert counts as bincount
+    gives, every route to one expert, ids outside [0, E) not counted."""
+    from moegraph_kernels.route_align import count_routes
+    g = torch.Generator().manual_seed(T * E)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    assert torch.equal(count_routes(ids, E), torch.bincount(ids.reshape(-1), minlength=E).int())
+    one = torch.full((T, k), E - 1)
+    assert count_routes(one, E)[E - 1] == T * k and count_routes(one, E)[:E - 1].sum() == 0
+    bad = ids.clone().reshape(-1)
+    bad[0], bad[-1] = -1, E  # one route when T * k == 1: E wins
+    want = torch.bincount(ids.reshape(-1), minlength=E).int()
+    for i in {0, bad.numel() - 1}:
+        want[ids.reshape(-1)[i]] -= 1
+    assert torch.equal(count_routes(bad.view(T, k), E), want)
