@@ -57,7 +57,7 @@ def rope_fwd_entries(T: int) -> tuple[dict, int]:
         return lambda: [t for x, w in pairs
                         for t in rope_forward(x, cos, sin, w, 1e-6, "bsnd", **kw)]
     out = {"default": entry(), "twin": entry()}
-    for rows, warps in ((8, 2), (16, 2), (32, 4), (32, 8), (64, 8)):
+    for rows, warps in ((16, 4), (8, 2), (32, 4)):
         out[f"r{rows}w{warps}"] = entry(rows=rows, num_warps=warps)
     return out, nbytes
 
@@ -77,11 +77,10 @@ def rope_bwd_entries(T: int) -> tuple[dict, int]:
         return lambda: [t for dy, x, w, rstd in cases
                         for t in rope_backward(dy, x, cos, sin, w, rstd, **kw)]
     out = {"default": entry(), "twin": entry()}
-    for rows, per_sm, warps in ((32, 4, 4), (64, 4, 8), (32, 8, 4), (32, 16, 4), (16, 8, 4),
-                                (16, 8, 2), (32, 8, 2), (64, 8, 4), (64, 16, 8)):
+    out["r32p8w4"] = entry(rows=32, programs_per_sm=8, dw_lanes=False)  # before lanes
+    for rows, per_sm, warps in ((32, 8, 4), (64, 4, 8), (32, 2, 4)):
         out[f"r{rows}p{per_sm}w{warps}+lanes"] = entry(rows=rows, programs_per_sm=per_sm,
                                                        num_warps=warps, dw_lanes=True)
-    out["r32p4w4"] = entry(rows=32, programs_per_sm=4)
     return out, nbytes
 
 
@@ -94,11 +93,10 @@ def ce_fwd_entries(T: int) -> tuple[dict, int]:
     def entry(**kw):
         return lambda: list(cross_entropy_forward(logits, labels, **kw))
     out = {"default": entry(), "twin": entry()}
-    for block, warps in ((2048, 4), (4096, 4), (4096, 2), (2048, 2)):
-        for chunk in (49152, 65536, 77824):
-            if chunk % block == 0:
-                out[f"c{chunk}b{block}w{warps}"] = entry(block_v=block, chunk=chunk,
-                                                         num_warps=warps)
+    out["one_program"] = entry(chunk=VOCAB, block_v=8192, num_warps=8)  # one program a row
+    for chunk, block, warps in ((49152, 2048, 2), (77824, 2048, 2), (65536, 4096, 4),
+                                (65536, 2048, 4)):
+        out[f"c{chunk}b{block}w{warps}"] = entry(block_v=block, chunk=chunk, num_warps=warps)
     return out, logits.numel() * 2
 
 

@@ -36,6 +36,10 @@ import triton
 import triton.language as tl
 
 REF_CHUNK_ELEMS = 1 << 22  # 16 MB of fp32 per row chunk in the pure-torch path
+# The forward on a GPU, rows longer than FWD_CHUNK: FWD_CHUNK columns a program, FWD_CHUNK_BLOCK
+# columns a step at FWD_CHUNK_WARPS warps. H200, logits [16384, 151936] bf16
+# (benchmarks/elementwise_ab.py): see benchmarks/results/NOTES.md, "elementwise_ab.json".
+FWD_CHUNK, FWD_CHUNK_BLOCK, FWD_CHUNK_WARPS = 65536, 2048, 2
 
 
 def _block_v(vocab: int, device: torch.device, cap: int) -> int:
@@ -167,7 +171,8 @@ def cross_entropy_forward(logits_TV: torch.Tensor, labels_T: torch.Tensor,
     `chunk` (columns, a multiple of the block) splits each row over cdiv(V, chunk) programs
     whose (max, sum) pairs a second kernel combines (`_ce_fwd_chunk_kernel`): more loads in
     flight than one program a row; lse then differs from the one-program value in its last
-    bits (another summation order), deterministic at any one chunk."""
+    bits (another summation order), deterministic at any one chunk. On a GPU rows longer
+    than FWD_CHUNK take it by default; `chunk` >= V keeps one program a row."""
     _check_rows("logits", logits_TV, labels_T)
     num_rows, vocab = logits_TV.shape
     labels_T = labels_T.contiguous()
@@ -177,6 +182,9 @@ def cross_entropy_forward(logits_TV: torch.Tensor, labels_T: torch.Tensor,
         return lse_T, loss_T
     # One program streams one row. H200, T = 1024, V = 151936 bf16 (benchmarks/loss.py
     # --sweep): 8192 x 8 warps 0.093 ms (3.3 TB/s); 2048 x 8 0.142; 16384 x 8 0.136.
+    if chunk is None and logits_TV.is_cuda and vocab > FWD_CHUNK:
+        chunk, block_v = FWD_CHUNK, block_v or FWD_CHUNK_BLOCK
+        num_warps = num_warps or FWD_CHUNK_WARPS
     block = block_v or _block_v(vocab, logits_TV.device, 8192)
     warps = num_warps or (8 if block >= 2048 else 4)
     if chunk is None or chunk >= vocab:

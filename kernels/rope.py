@@ -44,14 +44,18 @@ import triton.language as tl
 from .rmsnorm import num_partials, reduce_dw, round_to, scratch
 
 ROWS_PER_TILE = 16  # rows (one head of one token each) per forward program tile
-FWD_WARPS = 4
+# H200, qwen3-30b-a3b's q and k at 4 x 4096 (benchmarks/elementwise_ab.py, two runs): 2 warps
+# 0.956-0.958 of the time of 4 (twin 1.000); 32 rows x 4 warps 0.973-0.975, 64 x 8 1.057.
+FWD_WARPS = 2
 LAYOUTS = ("bnsd", "bsnd")
 # The backward's row blocks and programs: each program loops over its blocks in a fixed order
 # (the dW partials' sum order), so several programs per SM keep enough loads in flight.
+# H200, the same q and k: dW per row lane and 4 programs an SM 0.802 of the time of dW
+# summed over each block's rows at 8 (twin 0.997; 8 programs with lanes 0.856, 16 0.954).
 BWD_ROWS = 32
-BWD_PROGRAMS_PER_SM = 8
+BWD_PROGRAMS_PER_SM = 4
 BWD_WARPS = 4
-BWD_DW_LANES = False
+BWD_DW_LANES = True
 
 
 @triton.jit
