@@ -121,8 +121,9 @@ def route_grouped(x_TH: torch.Tensor, w_router_EH: torch.Tensor, bias_E: torch.T
 
 def expert_counts_E(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Routes per expert [E] fp32, counted on the device with no sync (bincount syncs): on
-    CUDA by route_align.count_routes (one-hot sums per chunk, no atomics), on the CPU by
-    scatter_add. Exact while no expert has 2**24 routes."""
+    CUDA by route_align.count_routes (one-hot sums per chunk, no atomics: 0.0175 ms against
+    0.0300 for a float scatter_add of ones at 131072 routes, results/elementwise_ab.json), on
+    the CPU by scatter_add. Exact while no expert has 2**24 routes."""
     if topk_ids_TK.is_cuda:
         from moegraph_kernels.route_align import count_routes
         return count_routes(topk_ids_TK, num_experts).float()
