@@ -1,8 +1,8 @@
 """The loaded step's memory-bound kernels under their defaults against alternatives, each
 entry a CUDA graph, their rounds interleaved: the rope (with Qwen3's per-head norm) forward and
-backward, the loss forward, and the per-expert route counts of the load-balancing statistics.
+backward, the loss forward and backward, and the per-expert route counts of the load-balancing statistics.
 
-    python3 benchmarks/elementwise_ab.py [--only rope_fwd,rope_bwd,ce_fwd,counts]
+    python3 benchmarks/elementwise_ab.py [--only rope_fwd,rope_bwd,ce_fwd,ce_bwd,counts]
         [--tokens 16384] [--rounds 9] [--out PATH]
 
 Shapes are those of qwen3-30b-a3b-4layer at 4 x 4096 tokens (`--tokens`): q [B, S, 32, 128]
@@ -29,7 +29,7 @@ import sys
 from common import capture_graph, default_out, environment, error_text, time_led_graphs, \
     write_json
 
-GROUPS = ("rope_fwd", "rope_bwd", "ce_fwd", "counts")
+GROUPS = ("rope_fwd", "rope_bwd", "ce_fwd", "ce_bwd", "counts")
 HEADS, KV_HEADS, HEAD_DIM, VOCAB, EXPERTS, TOP_K = 32, 4, 128, 151936, 128, 8
 
 
@@ -100,6 +100,24 @@ def ce_fwd_entries(T: int) -> tuple[dict, int]:
     return out, logits.numel() * 2
 
 
+def ce_bwd_entries(T: int) -> tuple[dict, int]:
+    import torch
+    from moegraph_kernels.cross_entropy import cross_entropy_backward, cross_entropy_forward
+    logits = torch.randn(T, VOCAB, device="cuda", dtype=torch.bfloat16) * 4
+    labels = torch.randint(0, VOCAB, (T,), device="cuda")
+    lse = cross_entropy_forward(logits, labels)[0]
+    grad, n_valid = torch.ones((), device="cuda"), torch.tensor(T, device="cuda")
+    out = torch.empty_like(logits)  # out of place: the logits stay, the bytes are the same
+
+    def entry(**kw):
+        return lambda: [cross_entropy_backward(logits, labels, lse, grad, n_valid, out_TV=out,
+                                               **kw)[::1024].clone()]  # a sample to compare
+    fns = {"default": entry(), "twin": entry()}
+    for block, warps in ((2048, 4), (8192, 8), (8192, 16), (16384, 16), (4096, 4)):
+        fns[f"b{block}w{warps}"] = entry(block_v=block, num_warps=warps)
+    return fns, 2 * logits.numel() * 2
+
+
 def counts_entries(T: int) -> tuple[dict, int]:
     import torch
     from moegraph_cli.moe.routing import expert_counts_E
@@ -116,7 +134,7 @@ def counts_entries(T: int) -> tuple[dict, int]:
 
 
 MAKERS = {"rope_fwd": rope_fwd_entries, "rope_bwd": rope_bwd_entries,
-          "ce_fwd": ce_fwd_entries, "counts": counts_entries}
+          "ce_fwd": ce_fwd_entries, "ce_bwd": ce_bwd_entries, "counts": counts_entries}
 
 
 def run_group(group: str, T: int, rounds: int) -> list[dict]:

@@ -212,7 +212,8 @@ def cross_entropy_forward(logits_TV: torch.Tensor, labels_T: torch.Tensor,
 def cross_entropy_backward(logits_TV: torch.Tensor, labels_T: torch.Tensor, lse_T: torch.Tensor,
                            grad_loss: torch.Tensor, n_valid: torch.Tensor,
                            ignore_index: int = -100, out_TV: torch.Tensor | None = None,
-                           block_v: int | None = None) -> torch.Tensor:
+                           block_v: int | None = None, num_warps: int | None = None
+                           ) -> torch.Tensor:
     """dlogits [T, V] into out_TV (a new buffer in logits' dtype when None; logits_TV itself
     for in place) and return it; see the module docstring."""
     _check_rows("logits", logits_TV, labels_T)
@@ -231,7 +232,7 @@ def cross_entropy_backward(logits_TV: torch.Tensor, labels_T: torch.Tensor, lse_
     _ce_bwd_kernel[grid](
         logits_TV, out_TV, labels_T.contiguous(), lse_T, grad_loss, n_valid,
         vocab, logits_TV.stride(0), out_TV.stride(0), ignore_index,
-        BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
+        BLOCK_V=block, num_warps=num_warps or (8 if block >= 2048 else 4))
     return out_TV
 
 
