@@ -8,10 +8,9 @@ process, their graph replays' rounds interleaved: a kernel change judged where i
 SPEC is kernel_sweep.py's spelling of a candidate: `128x128x64x8x8x5` (a tile: bm, bn, bk,
 group, warps, stages; the default's variant kept), `+tma+persistent` (a variant: the default's
 tile kept; `+base` the pointer path) or both (`256x128x64x4x8x3+tma`). KERNEL is one of
-fc1, fc2, dact, dx, wgrad_down, wgrad_gate_up; or FLAG=1 (FLAG=0) turns one of TileConfigs'
-slot copies on (off): dout_copy, x_copy. Example:
+fc1, fc2, dact, dx, wgrad_down, wgrad_gate_up. Example:
 
-    --alt dact5:dact=128x128x64x8x8x5 --alt dxp:dx=+tma+persistent --alt dc:dout_copy=1
+    --alt dact5:dact=128x128x64x8x8x5 --alt dxp:dx=+tma+persistent
 
 Per (T, routing), Qwen3 expert shape (E = 128, k = 8, H = 2048, F = 768; inputs and routing
 as benchmarks/experts.py makes them): one graph per entry of autograd.grad of the permute-free
@@ -37,8 +36,6 @@ from common import capture_graph, default_out, environment, error_text, time_led
 from experts import SHAPES, fwd_flops, leaves_of, load_stats, make_case
 
 KERNELS = ("fc1", "fc2", "dact", "dx", "wgrad_down", "wgrad_gate_up")
-# TileConfigs' slot copies (moe/experts.py), spelled FLAG=1 or FLAG=0 in an --alt.
-FLAGS = ("dout_copy", "x_copy")
 
 
 def parse_spec(spec: str, default):
@@ -63,20 +60,16 @@ def parse_alt(text: str) -> tuple[str, dict[str, str]]:
     out = {}
     for part in body.split(","):
         kernel, eq, spec = part.partition("=")
-        if kernel in FLAGS and eq and spec in ("0", "1"):
-            out[kernel] = spec
-            continue
         if not eq or kernel not in KERNELS or not spec:
             raise ValueError(f"--alt {text!r}: {part!r} is not KERNEL=SPEC with KERNEL one of "
-                             f"{', '.join(KERNELS)}, nor FLAG=0|1 with FLAG one of "
-                             f"{', '.join(FLAGS)}")
+                             f"{', '.join(KERNELS)}")
         out[kernel] = spec
     return name, out
 
 
 def apply_alt(defaults, changes: dict[str, str]):
-    """TileConfigs with each named kernel's config (or slot-copy flag) replaced."""
-    return defaults._replace(**{k: s == "1" if k in FLAGS else parse_spec(s, getattr(defaults, k))
+    """TileConfigs with each named kernel's config replaced."""
+    return defaults._replace(**{k: parse_spec(s, getattr(defaults, k))
                                 for k, s in changes.items()})
 
 
@@ -104,8 +97,7 @@ def run_case(T, routing, alts, args) -> list[dict]:
     for name, cfg in entries(defaults, alts).items():
         rec = {**base, "entry": name,
                "configs": {kn: [*getattr(cfg, kn)[:6], getattr(cfg, kn).variant]
-                           for kn in KERNELS},
-               **{f: getattr(cfg, f) for f in FLAGS}}
+                           for kn in KERNELS}}
         try:
             def body(cfg=cfg, name=name):
                 y = permute_free_moe_with_drops(*case, configs=cfg)[0]

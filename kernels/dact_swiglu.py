@@ -23,20 +23,20 @@ from .gated_act import gated_backward, gated_forward
 from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, dact_config
 from .route_align import RouteList
-from .slot_schedule import (check_slot_copy, live_block_list, persistent_tile, program_tile,
-                            store_zero_copy_rows, store_zero_gated_rows)
+from .slot_schedule import (live_block_list, persistent_tile, program_tile,
+                            store_zero_gated_rows)
 
 
 @triton.jit
 def _dact_swiglu_tile(
     pid_m, pid_n, expert,
     dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
-    dy1_ptr, act_ptr, dp_ptr, dout_s_ptr, alpha, limit,
+    dy1_ptr, act_ptr, dp_ptr, alpha, limit,
     num_tokens, num_routes, ffn, hidden,
-    stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp, stride_ds,
+    stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
-    ROUTE_MASK: tl.constexpr, SLOT_COPY: tl.constexpr,
+    ROUTE_MASK: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,16 +50,11 @@ def _dact_swiglu_tile(
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + offs_k.to(tl.int64)[:, None] * stride_wk + offs_n[None, :])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # SLOT_COPY: the block's gathered dOut rows also go to dout_s [S, H], a K step a column
-    # tile (gathered_k_loop's STORE_A), for the dW_down that reads them in slot order.
-    ds_ptrs = dout_s_ptr + offs_m.to(tl.int64)[:, None] * stride_ds + offs_k[None, :]
     # TMA: w_down as [E * H, F]; tile [BK, BN] at (e*H + k, n).
     acc, _ = gathered_k_loop(
         acc, acc, d_ptrs, row_ok, hidden, w_ptrs, w_ptrs, BLOCK_K * stride_wk, n_ok,
         w_desc, expert * hidden, pid_n * BLOCK_N, 0,
-        BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=USE_TMA, B_NK=False,
-        B_PAIR=False, a_out_ptrs=ds_ptrs, store_phase=pid_n,
-        store_every=tl.cdiv(ffn, BLOCK_N), STORE_A=SLOT_COPY)
+        BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=USE_TMA, B_NK=False)
 
     # dA as autograd would hand it to the activation: rounded to the input dtype.
     da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
@@ -86,31 +81,25 @@ def _dact_swiglu_tile(
 
 
 @triton.jit
-def _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, dout_s_ptr, row0, stride_dy1, stride_act,
-                    stride_dp, stride_ds, pid_n, ffn, hidden, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOT_COPY: tl.constexpr):
-    """The all-padding second half of a tail block: dY1, A and dp_part's column pid_n, and
-    with SLOT_COPY the K steps of dout_s this column tile owns (those STORE_A writes)."""
+def _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, row0, stride_dy1, stride_act, stride_dp, pid_n,
+                    ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The all-padding second half of a tail block: dY1, A and dp_part's column pid_n."""
     store_zero_gated_rows(dy1_ptr, act_ptr, row0, stride_dy1, stride_act, pid_n, ffn, BLOCK_M,
                           BLOCK_N)
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     tl.store(dp_ptr + rows * stride_dp + pid_n, tl.zeros((BLOCK_M,), dtype=tl.float32))
-    if SLOT_COPY:
-        store_zero_copy_rows(dout_s_ptr, row0, stride_ds, pid_n, tl.cdiv(ffn, BLOCK_N), hidden,
-                             BLOCK_M, BLOCK_K)
 
 
 @triton.jit
 def _dact_swiglu_kernel(
     dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
     block_expert_ptr, live_list_ptr, expert_counts_ptr, expert_starts_ptr, num_experts,
-    dy1_ptr, act_ptr, dp_ptr, dout_s_ptr, alpha, limit, num_tokens, num_routes, num_slots,
-    ffn, hidden, stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
-    stride_ds, ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    dy1_ptr, act_ptr, dp_ptr, alpha, limit, num_tokens, num_routes, num_slots, ffn, hidden,
+    stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
+    ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
-    SLOT_COPY: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -126,14 +115,13 @@ def _dact_swiglu_kernel(
                                                    num_pid_n, GROUP_M)
             _dact_swiglu_tile(
                 pid_m, pid_n, expert, dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr,
-                slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, dout_s_ptr, alpha,
-                limit, num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
-                stride_y1, stride_dy1, stride_act, stride_dp, stride_ds,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, SLOT_COPY)
+                slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
+                num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
+                stride_y1, stride_dy1, stride_act, stride_dp,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True)
             if TAIL == 2:
-                _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, dout_s_ptr, (pid_m + 1) * BLOCK_M,
-                                stride_dy1, stride_act, stride_dp, stride_ds, pid_n, ffn,
-                                hidden, BLOCK_M, BLOCK_N, BLOCK_K, SLOT_COPY)
+                _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
+                                stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
     else:
         pid_m, pid_n, expert, ok = program_tile(
             tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
@@ -143,14 +131,13 @@ def _dact_swiglu_kernel(
             return
         _dact_swiglu_tile(
             pid_m, pid_n, expert, dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr,
-            slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, dout_s_ptr, alpha, limit,
+            slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
-            stride_y1, stride_dy1, stride_act, stride_dp, stride_ds,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, SLOT_COPY)
+            stride_y1, stride_dy1, stride_act, stride_dp,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False)
         if TAIL == 2:
-            _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, dout_s_ptr, (pid_m + 1) * BLOCK_M,
-                            stride_dy1, stride_act, stride_dp, stride_ds, pid_n, ffn, hidden,
-                            BLOCK_M, BLOCK_N, BLOCK_K, SLOT_COPY)
+            _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
+                            stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,14 +150,10 @@ def dp_tiles(ffn: int, cfg: GemmConfig) -> int:
 
 
 def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
-                dy1_out, act_out, dp_part_out, cfg: GemmConfig | None = None, *, clamp=None,
-                dout_slots_out=None):
+                dy1_out, act_out, dp_part_out, cfg: GemmConfig | None = None, *, clamp=None):
     """Fill dy1_out [S, 2F], act_out [S, F] and dp_part_out [S, dp_tiles] fp32 (live blocks).
     `clamp` = (alpha, limit) picks the clamped SwiGLU backward. dp_part holds only the
-    activation's share of d(route probability): FC2's bias term is the caller's.
-    `dout_slots_out` [S, H]: also filled (live blocks) with the gathered dOut rows in slot
-    order, zeros for padding slots (the slot copy, gemm_config.py)."""
-    check_slot_copy(dout_slots_out, routes, dout_TH.shape[1])
+    activation's share of d(route probability): FC2's bias term is the caller's."""
     num_tokens, hidden = dout_TH.shape
     ffn = w_down_EHF.shape[2]
     cfg = cfg or dact_config(ffn, routes.block_m, dout_TH.device)
@@ -180,11 +163,11 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
     return gl.with_fallback(
         "dact", cfg, dout_TH.device, (dout_TH.dtype, routes.block_m, hidden, ffn),
         lambda c: _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out,
-                               act_out, dp_part_out, c, clamp, dout_slots_out))
+                               act_out, dp_part_out, c, clamp))
 
 
 def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, act_out,
-                 dp_part_out, cfg, clamp=None, dout_slots_out=None):
+                 dp_part_out, cfg, clamp=None):
     num_tokens, hidden = dout_TH.shape
     ffn = w_down_EHF.shape[2]
     w_desc = None
@@ -193,22 +176,20 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
         w_desc = tma.weight_desc(w_down_EHF, (cfg.block_k, cfg.block_n))
     grid, live_list, meta, plan = gl.build_plan(routes, cfg, ffn, dout_TH.device,
                                                 w_desc is not None)
-    copy = dout_slots_out
 
     def launch(grid, cfg, live_list, meta, tail):
         _dact_swiglu_kernel[grid](
             dout_TH, w_down_EHF, w_down_EHF if w_desc is None else w_desc, y1_S2F,
             topk_weights_N, routes.slot_token, routes.slot_route, routes.block_expert,
             live_list, routes.expert_counts, routes.expert_starts, w_down_EHF.shape[0], dy1_out,
-            act_out, dp_part_out, dy1_out if copy is None else copy, *gl.act_scalars(clamp),
+            act_out, dp_part_out, *gl.act_scalars(clamp),
             num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
             dout_TH.stride(0), w_down_EHF.stride(0), w_down_EHF.stride(1), y1_S2F.stride(0),
             dy1_out.stride(0), act_out.stride(0), dp_part_out.stride(0),
-            0 if copy is None else copy.stride(0),
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            SLOT_COPY=copy is not None, **cfg.launch_options(), **meta)
+            **cfg.launch_options(), **meta)
 
     gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, cfg, grid, live_list, meta, plan,
                                            w_down_EHF.shape[0], ffn, dout_TH.device)

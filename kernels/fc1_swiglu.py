@@ -34,21 +34,20 @@ from .gated_act import gated_forward
 from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, fc1_config
 from .route_align import RouteList
-from .slot_schedule import (check_slot_copy, live_block_list, persistent_tile, program_tile,
-                            store_zero_copy_rows, store_zero_gated_rows)
+from .slot_schedule import live_block_list, persistent_tile, program_tile, store_zero_gated_rows
 
 
 @triton.jit
 def _fc1_swiglu_tile(
     pid_m, pid_n, expert,
     x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr,
-    y1_desc, act_desc, bias_ptr, x_s_ptr, alpha, limit,
+    y1_desc, act_desc, bias_ptr, alpha, limit,
     num_tokens, num_routes, ffn, hidden,
-    stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be, stride_xs,
+    stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, Y_TMA: tl.constexpr,
-    PAIRED: tl.constexpr, SLOT_COPY: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,18 +60,13 @@ def _fc1_swiglu_tile(
     wg_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
                + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
     wu_ptrs = wg_ptrs + ffn * stride_wn
-    # SLOT_COPY: the block's gathered X rows also go to x_s [S, H], a K step a column tile
-    # (gathered_k_loop's STORE_A), for the dW_gate_up that reads them in slot order.
-    xs_ptrs = x_s_ptr + offs_m.to(tl.int64)[:, None] * stride_xs + offs_k[None, :]
-    every = tl.cdiv(ffn, BLOCK_N)
     if PAIRED:  # w_desc over w as [2E, F, H]: box (2e, n, k) = gate rows n.., up rows n..
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         acc, _ = gathered_k_loop(
             acc, acc, x_ptrs, row_ok, hidden, wg_ptrs, wg_ptrs, BLOCK_K, n_ok,
             w_desc, 2 * expert, pid_n * BLOCK_N, 0,
             BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=True, B_NK=True,
-            B_PAIR=True, a_out_ptrs=xs_ptrs, store_phase=pid_n, store_every=every,
-            STORE_A=SLOT_COPY)
+            B_PAIR=True)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -81,9 +75,7 @@ def _fc1_swiglu_tile(
         acc_g, acc_u = gathered_k_loop(
             acc_g, acc_u, x_ptrs, row_ok, hidden, wg_ptrs, wu_ptrs, BLOCK_K, n_ok,
             w_desc, expert * 2 * ffn + pid_n * BLOCK_N, 0, ffn,
-            BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=True, B_TMA=USE_TMA, B_NK=True,
-            B_PAIR=False, a_out_ptrs=xs_ptrs, store_phase=pid_n, store_every=every,
-            STORE_A=SLOT_COPY)
+            BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=True, B_TMA=USE_TMA, B_NK=True)
 
     if HAS_BIAS:  # b_gate_up[e] in fp32 into the accumulator; padding rows stay zero
         b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + offs_n
@@ -115,13 +107,13 @@ def _fc1_swiglu_tile(
 def _fc1_swiglu_kernel(
     x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr, slot_route_ptr, block_expert_ptr,
     live_list_ptr, expert_counts_ptr, expert_starts_ptr, num_experts, y1_ptr, act_ptr, y1_desc,
-    act_desc, bias_ptr, x_s_ptr, alpha, limit, num_tokens, num_routes, num_slots, ffn, hidden,
-    stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be, stride_xs,
+    act_desc, bias_ptr, alpha, limit, num_tokens, num_routes, num_slots, ffn, hidden,
+    stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
     ROUTE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-    TAIL: tl.constexpr, Y_TMA: tl.constexpr, PAIRED: tl.constexpr, SLOT_COPY: tl.constexpr,
+    TAIL: tl.constexpr, Y_TMA: tl.constexpr, PAIRED: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -138,16 +130,13 @@ def _fc1_swiglu_kernel(
             _fc1_swiglu_tile(
                 pid_m, pid_n, expert, x_ptr, w_ptr, w_desc, weights_ptr,
                 slot_token_ptr, slot_route_ptr, y1_ptr, act_ptr, y1_desc, act_desc, bias_ptr,
-                x_s_ptr, alpha, limit, num_tokens, num_routes, ffn, hidden,
-                stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be, stride_xs,
+                alpha, limit, num_tokens, num_routes, ffn, hidden,
+                stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
-                PAIRED, SLOT_COPY)
+                PAIRED)
             if TAIL == 2:
                 store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1,
                                       stride_act, pid_n, ffn, BLOCK_M, BLOCK_N)
-                if SLOT_COPY:
-                    store_zero_copy_rows(x_s_ptr, (pid_m + 1) * BLOCK_M, stride_xs, pid_n,
-                                         tl.cdiv(ffn, BLOCK_N), hidden, BLOCK_M, BLOCK_K)
     else:
         pid_m, pid_n, expert, ok = program_tile(
             tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
@@ -157,17 +146,14 @@ def _fc1_swiglu_kernel(
             return
         _fc1_swiglu_tile(
             pid_m, pid_n, expert, x_ptr, w_ptr, w_desc, weights_ptr, slot_token_ptr,
-            slot_route_ptr, y1_ptr, act_ptr, y1_desc, act_desc, bias_ptr, x_s_ptr, alpha, limit,
+            slot_route_ptr, y1_ptr, act_ptr, y1_desc, act_desc, bias_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden,
-            stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be, stride_xs,
+            stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
-            PAIRED, SLOT_COPY)
+            PAIRED)
         if TAIL == 2:
             store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1, stride_act,
                                   pid_n, ffn, BLOCK_M, BLOCK_N)
-            if SLOT_COPY:
-                store_zero_copy_rows(x_s_ptr, (pid_m + 1) * BLOCK_M, stride_xs, pid_n,
-                                     tl.cdiv(ffn, BLOCK_N), hidden, BLOCK_M, BLOCK_K)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,26 +161,22 @@ def _fc1_swiglu_kernel(
 
 
 def fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes: RouteList, y1_out, act_out,
-               cfg: GemmConfig | None = None, *, bias_EF2=None, clamp=None,
-               x_slots_out=None):
+               cfg: GemmConfig | None = None, *, bias_EF2=None, clamp=None):
     """Fill y1_out [S, 2F] and act_out [S, F] (live blocks only); see the module docstring.
     `bias_EF2` [E, 2F] ([gate | up] halves, any float dtype) is added in fp32 to the
     accumulator before Y1 is rounded; `clamp` = (alpha, limit) picks the clamped SwiGLU.
-    With cfg.paired (and cfg.tma) gate and up load as one box for one dot (module docstring).
-    `x_slots_out` [S, H]: also filled (live blocks) with the gathered X rows in slot order,
-    zeros for padding slots (the slot copy, gemm_config.py)."""
+    With cfg.paired (and cfg.tma) gate and up load as one box for one dot (module docstring)."""
     num_tokens, hidden = x_TH.shape
-    check_slot_copy(x_slots_out, routes, hidden)
     ffn = w_gate_up_EFH.shape[1] // 2
     cfg = cfg or fc1_config(ffn, routes.block_m, x_TH.device)
     return gl.with_fallback(
         "fc1", cfg, x_TH.device, (x_TH.dtype, routes.block_m, hidden, ffn),
         lambda c: _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, c,
-                              bias_EF2, clamp, x_slots_out))
+                              bias_EF2, clamp))
 
 
 def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cfg,
-                bias_EF2=None, clamp=None, copy=None):
+                bias_EF2=None, clamp=None):
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
     w_desc, paired = None, False
@@ -216,16 +198,15 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
             routes.expert_counts, routes.expert_starts, w_gate_up_EFH.shape[0], y1_out, act_out,
             tma.descriptor(y1_out, box) if y_tma else y1_out,
             tma.descriptor(act_out, box) if y_tma else act_out,
-            x_TH if bias_EF2 is None else bias_EF2, y1_out if copy is None else copy,
-            *gl.act_scalars(clamp), num_tokens, topk_weights_N.numel(), routes.num_slots, ffn,
-            hidden, x_TH.stride(0), w_gate_up_EFH.stride(0), w_gate_up_EFH.stride(1),
-            y1_out.stride(0), act_out.stride(0), 0 if bias_EF2 is None else bias_EF2.stride(0),
-            0 if copy is None else copy.stride(0),
+            x_TH if bias_EF2 is None else bias_EF2, *gl.act_scalars(clamp),
+            num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
+            x_TH.stride(0), w_gate_up_EFH.stride(0), w_gate_up_EFH.stride(1), y1_out.stride(0),
+            act_out.stride(0), 0 if bias_EF2 is None else bias_EF2.stride(0),
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
             CLAMPED=clamp is not None, TAIL=tail, Y_TMA=y_tma, PAIRED=paired,
-            SLOT_COPY=copy is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
 
     plan = plan._replace(store_tma=_fc1_store_tma(cfg, w_desc is not None, ffn, y1_out, act_out),
                          paired=paired)

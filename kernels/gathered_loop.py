@@ -17,8 +17,7 @@ def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
                     b0_ptrs, b1_ptrs, b_step, n_ok, b_desc, b_row, b_col, b1_row_offset,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                     TWO_B: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr,
-                    B_PAIR: tl.constexpr = False, a_out_ptrs=None, store_phase=0,
-                    store_every=1, STORE_A: tl.constexpr = False):
+                    B_PAIR: tl.constexpr = False):
     """acc0 += A @ B0 (and acc1 += A @ B1 if TWO_B) over k in [0, k_size), BLOCK_K at a time.
 
     A [BM, BK]: gathered rows, a_ptrs already offset by slot_token; padding rows (row_ok
@@ -28,11 +27,6 @@ def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
     (b_row + b1_row_offset, k), transposed; otherwise tiles [BK, BN] at (b_row + k, b_col).
     B_PAIR (with B_TMA, B_NK, not TWO_B): b_desc is 3-D, its [2, BN, BK] box at (b_row, b_col,
     k) is the [2 BN, BK] tile B0, transposed.
-    STORE_A: the A tiles of the K steps j with j % store_every == store_phase are also
-    stored, as loaded (padding rows as zeros), at a_out_ptrs (the tile's rows of a slot-order
-    [S, K] copy, advanced like a_ptrs): the programs of one row block, each passing its column
-    tile as the phase and their count as store_every, write the block's gathered rows once
-    between them, from the loads their dots read anyway (`slot copy`, gemm_config.py).
     """
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, k_size, BLOCK_K):
@@ -67,13 +61,6 @@ def gathered_k_loop(acc0, acc1, a_ptrs, row_ok, k_size,
         acc0 = tl.dot(a, b0, acc0)
         if TWO_B:
             acc1 = tl.dot(a, b1, acc1)
-        if STORE_A:
-            if (k0 // BLOCK_K) % store_every == store_phase:
-                if EVEN_K:
-                    tl.store(a_out_ptrs, a)
-                else:
-                    tl.store(a_out_ptrs, a, mask=k_ok[None, :])
-            a_out_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         if not B_TMA:
             b0_ptrs += b_step

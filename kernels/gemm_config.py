@@ -41,12 +41,6 @@ tma.py and gemm_launch.py; the default is the pointer path with one program per 
   sustained-load ceiling", 2026-11-30).
 - `paired` (fc1_swiglu with `tma`, 2 BN <= 256): gate and up as one weight box; see
   fc1_swiglu.py.
-- the slot copy (fc1_swiglu's `x_slots_out`, dact_swiglu's `dout_slots_out`; chosen by
-  moe/experts.TileConfigs, not a GemmConfig field): the gathered A rows also go out in slot
-  order ([S, K], zeros for padding slots), each column tile of a row block storing every
-  n_tiles-th of its K steps from the loads its dots read anyway, so a dW kernel
-  (wgrad.py) can read that operand by TMA instead of gathering it. The GEMM's own outputs
-  do not change.
 Every variant computes each output tile with the default's tile shape and K order, so on a GPU
 its results are bitwise equal to the default path's (the cuda tests check it). In the
 interpreter too, except the transposed TMA weight tile of fc1 / fc2, which numpy's matmul sums

@@ -108,17 +108,6 @@ def store_zero_gated_rows(y_ptr, act_ptr, row0, stride_y, stride_act, pid_n, ffn
 
 
 @triton.jit
-def store_zero_copy_rows(ptr, row0, stride, phase, every, k_size, BLOCK_M: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    """store_zero_rows for a slot copy [rows, K] (gathered_k_loop's STORE_A): the K steps j
-    with j % every == phase, those the column tile `phase` writes."""
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(phase * BLOCK_K, k_size, every * BLOCK_K):
-        cols = k0 + offs_k
-        store_zero_rows(ptr, row0, stride, cols, cols < k_size, BLOCK_M, BLOCK_K)
-
-
-@triton.jit
 def live_block_list(block_expert_ptr, live_list_ptr, num_blocks, slot_route_ptr, num_routes,
                     expert_counts_ptr, expert_starts_ptr, num_experts, num_slots,
                     BLOCK_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
@@ -173,13 +162,3 @@ def persistent_tile(tile, live_list_ptr, num_live, num_blocks, num_pid_n, GROUP_
 def tail_grid(num_experts: int, n: int, block_n: int) -> tuple[int]:
     """Grid of a TAIL = 2 launch: one program per (expert, column tile)."""
     return (max(1, num_experts * triton.cdiv(n, block_n)),)
-
-
-def check_slot_copy(out, routes, k_size: int) -> None:
-    """A slot copy's buffer (fc1_swiglu's x_slots_out, dact_swiglu's dout_slots_out): None, or
-    a [S, K] tensor with a contiguous last dimension; a one-line ValueError otherwise."""
-    if out is None:
-        return
-    if tuple(out.shape) != (routes.num_slots, k_size) or out.stride(1) != 1:
-        raise ValueError(f"a slot copy must be a row-major [{routes.num_slots}, {k_size}] "
-                         f"tensor, not {tuple(out.shape)} with strides {tuple(out.stride())}")

@@ -11,9 +11,7 @@ Saved for backward: x, the top-k weights, both weights, Y1 [S, 2F] (the only F-s
 and the RouteList (with biases: the biases and the top-k ids too). A is recomputed from Y1 by
 the dA kernel's epilogue. With `recompute_fc1` (the MoE scope's selective recompute) Y1 is not
 saved: the backward re-runs FC1 from x, the weights and the routes first (the same kernel on the
-same inputs, so the same Y1 bit for bit). With TileConfigs.x_copy the slot copy of x [S, H] is
-saved too (with recompute_fc1 the backward's FC1 writes it); TileConfigs.dout_copy has dA write
-dOut's: the dW kernels then read both operands in slot order.
+same inputs, so the same Y1 bit for bit).
 
 Biases and the activation (GPT-OSS; see reference.py for the rounding points): b_gate_up rides
 FC1's epilogue, p * b_down FC2's, the clamped SwiGLU the FC1 and dA epilogues. Their
@@ -67,12 +65,7 @@ def _scratch(shape, dtype, device) -> torch.Tensor:
 
 
 class TileConfigs(NamedTuple):
-    """Every kernel's tile config, picked on the host from static shapes (no autotune), and
-    the slot copies (gemm_config.py): `dout_copy`, the dA kernel also writes the gathered dOut
-    rows in slot order for dW_down (a transient [S, H] buffer of the backward); `x_copy`, FC1
-    also writes the gathered X rows in slot order for dW_gate_up ([S, H], saved for backward,
-    or, with recompute_fc1, written by the backward's FC1 and transient). Either way a dW
-    kernel then loads both operands by TMA; every value stays the same."""
+    """Every kernel's tile config, picked on the host from static shapes (no autotune)."""
     route_block: int
     fc1: GemmConfig
     fc2: GemmConfig
@@ -80,8 +73,6 @@ class TileConfigs(NamedTuple):
     dx: GemmConfig
     wgrad_down: GemmConfig
     wgrad_gate_up: GemmConfig
-    dout_copy: bool = False
-    x_copy: bool = False
 
 
 def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
@@ -180,11 +171,8 @@ class PermuteFreeMoE(torch.autograd.Function):
 
         y1 = _scratch((S, two_f), x_TH.dtype, dev)
         a_S = _scratch((S, ffn), x_TH.dtype, dev)
-        x_S = None  # the slot copy of X, saved for dW_gate_up (none with recompute_fc1)
-        if cfg.x_copy and not recompute_fc1 and ctx.needs_input_grad[3]:
-            x_S = _scratch((S, hidden), x_TH.dtype, dev)
         fc1_swiglu(x_TH, w_gate_up_EFH, weights_N, routes, y1, a_S, cfg.fc1,
-                   bias_EF2=b_gate_up_EF2, clamp=ctx.clamp, x_slots_out=x_S)
+                   bias_EF2=b_gate_up_EF2, clamp=ctx.clamp)
         y2 = slot_gemm(a_S, w_down_EHF, routes, _scratch((S, hidden), x_TH.dtype, dev),
                        w_nk=True, cfg=cfg.fc2, bias_EN=b_down_EH, topk_weights_N=weights_N)
         del a_S
@@ -193,9 +181,8 @@ class PermuteFreeMoE(torch.autograd.Function):
         # Only dweights reads the ids and b_down (the bias term of dp); saved only with a bias.
         ids_TK = topk_ids_TK if b_down_EH is not None else None
         ctx.save_for_backward(x_TH, weights_N, w_gate_up_EFH, w_down_EHF,
-                              None if recompute_fc1 else y1, x_S, ids_TK, b_down_EH,
-                              *routes[:-1])
-        del y1, x_S
+                              None if recompute_fc1 else y1, ids_TK, b_down_EH, *routes[:-1])
+        del y1
         ctx.block_m = routes.block_m
         ctx.configs = cfg
         ctx.weights_shape = topk_weights_TK.shape
@@ -204,7 +191,7 @@ class PermuteFreeMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_TH, _grad_dropped):
-        (x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, x_S, ids_TK, b_down_EH,
+        (x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, ids_TK, b_down_EH,
          *route_tensors) = ctx.saved_tensors
         routes = RouteList(*route_tensors, block_m=ctx.block_m)
         cfg = ctx.configs
@@ -218,27 +205,22 @@ class PermuteFreeMoE(torch.autograd.Function):
         dout_TH = dout_TH.contiguous()
         if y1 is None:  # recompute_fc1: FC1 again, its activation output thrown away
             y1 = _scratch((S, two_f), x_TH.dtype, dev)
-            if cfg.x_copy and need_gu:  # the slot copy of X, transient here
-                x_S = _scratch((S, hidden), x_TH.dtype, dev)
             b_gate_up = ctx.biases[0]
             fc1_swiglu(x_TH, w_gate_up_EFH, weights_N, routes, y1,
                        _scratch((S, ffn), x_TH.dtype, dev), cfg.fc1,
                        bias_EF2=None if b_gate_up is None else b_gate_up.contiguous(),
-                       clamp=ctx.clamp, x_slots_out=x_S)
+                       clamp=ctx.clamp)
 
         dy1 = _scratch((S, two_f), x_TH.dtype, dev)
         act = _scratch((S, ffn), x_TH.dtype, dev)
         dp_part = _scratch((S, dp_tiles(ffn, cfg.dact)), torch.float32, dev)
-        dout_S = _scratch((S, hidden), x_TH.dtype, dev) if cfg.dout_copy and need_down else None
         dact_swiglu(dout_TH, w_down_EHF, y1, weights_N, routes, dy1, act, dp_part, cfg.dact,
-                    clamp=ctx.clamp, dout_slots_out=dout_S)
-        del y1
+                    clamp=ctx.clamp)
 
         dw_down = None
         if need_down:
-            rows, gather = (dout_TH, True) if dout_S is None else (dout_S, False)
-            dw_down = _wgrad(ctx.weights[1], rows, act, routes, gather, False, cfg.wgrad_down)
-        del act, dout_S
+            dw_down = _wgrad(ctx.weights[1], dout_TH, act, routes, True, False, cfg.wgrad_down)
+        del act
         dweights = None
         if need_w:
             # dp of a slot: its partial sums over F-tiles, reduced in a fixed order.
@@ -266,10 +248,8 @@ class PermuteFreeMoE(torch.autograd.Function):
             del dx_S
         dw_gate_up = None
         if need_gu:
-            rows, gather = (x_TH, True) if x_S is None else (x_S, False)
-            dw_gate_up = _wgrad(ctx.weights[0], dy1, rows, routes, False, gather,
+            dw_gate_up = _wgrad(ctx.weights[0], dy1, x_TH, routes, False, True,
                                 cfg.wgrad_gate_up)
-        del x_S
         db_gate_up = None
         if need_b_gu:
             db_gate_up = _bias_grad(ctx.biases[0], dy1, routes, False, None)

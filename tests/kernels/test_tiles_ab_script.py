@@ -53,19 +53,7 @@ def test_entries_default_twin_alts_all(ab):
     assert list(ab.entries(d, alts[:1])) == ["default", "twin", "dact5"]
 
 
-def test_slot_copy_flags(ab):
-    d = gpu_like_defaults()
-    assert not d.dout_copy and not d.x_copy
-    alts = [ab.parse_alt("dc:dout_copy=1"), ab.parse_alt("xc:x_copy=1,dact=128x128x64x8x8x5")]
-    e = ab.entries(d, alts)
-    assert e["dc"] == d._replace(dout_copy=True)
-    assert e["xc"].x_copy and not e["xc"].dout_copy and e["xc"].dact.num_stages == 5
-    assert e["all"].x_copy and e["all"].dout_copy
-    assert ab.entries(d, [ab.parse_alt("off:x_copy=0")])["off"] == d
-
-
-@pytest.mark.parametrize("text", ["nocolon", "x:", "x:dq=+tma", "x:dact", "x:dact=",
-                                  "x:x_copy=2", "x:dout_copy="])
+@pytest.mark.parametrize("text", ["nocolon", "x:", "x:dq=+tma", "x:dact", "x:dact="])
 def test_bad_alt_is_a_value_error(ab, text):
     with pytest.raises(ValueError, match="--alt"):
         ab.parse_alt(text)
