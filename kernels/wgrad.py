@@ -289,20 +289,12 @@ def _wgrad_flat(
     count = tl.load(expert_count_ptr + expert, mask=tile < num_tiles, other=0)
     steps = tl.maximum(tl.cdiv(count, BLOCK_K), 1)
     k0 = 0
-    tok_next = tl.load(slot_token_ptr + start + offs_k, mask=start + offs_k < num_slots,
-                       other=num_tokens)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, total):
         slots = start + k0 + offs_k
-        tok = tok_next
+        tok = tl.load(slot_token_ptr + slots, mask=slots < num_slots, other=num_tokens)
         last = k0 + BLOCK_K >= steps * BLOCK_K
-        # the next step's token ids (this tile's next step, or the next tile's first)
         nxt = tile + progs
-        nxt_start = tl.load(expert_start_ptr + nxt // per_expert, mask=nxt < num_tiles,
-                            other=0)
-        nxt_slots = tl.where(last, nxt_start, start + k0 + BLOCK_K) + offs_k
-        tok_next = tl.load(slot_token_ptr + nxt_slots, mask=nxt_slots < num_slots,
-                           other=num_tokens)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_m < M
@@ -321,7 +313,7 @@ def _wgrad_flat(
             tile = nxt
             expert = tile // per_expert
             pid_m, pid_n = grouped_pid(tile % per_expert, tiles_m, tiles_n, GROUP_M)
-            start = nxt_start
+            start = tl.load(expert_start_ptr + expert, mask=tile < num_tiles, other=0)
             count = tl.load(expert_count_ptr + expert, mask=tile < num_tiles, other=0)
             steps = tl.maximum(tl.cdiv(count, BLOCK_K), 1)
             k0 = 0
