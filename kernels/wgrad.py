@@ -25,11 +25,8 @@ Layout contract (S slots, E experts, see route_align.py):
   expert's L and R rows are reused from L2. The sum order is fixed: bitwise repeatable.
 - Variants that change no value (each tile sums the same terms in the same order):
   `GemmConfig.persistent`, one program an SM walking the tiles in that order (each tile's K
-  loop pipelined as before); with `GemmConfig.flatten` too (and the padded loop), that walk
-  as one loop over the program's (tile, K step) pairs (`_wgrad_flat`), so the pipeliner
-  loads a tile's first K steps under the previous tile's last ones and its store;
-  `GemmConfig.store_tma`, the tile written by a TMA bulk store (where M is a multiple of
-  BLOCK_M, dW is 2-byte and the launch does not accumulate).
+  loop pipelined as before); `GemmConfig.store_tma`, the tile written by a TMA bulk store
+  (where M is a multiple of BLOCK_M, dW is 2-byte and the launch does not accumulate).
 
 Bias gradients (`expert_bias_grad`), the same ownership and the same slot range:
 db[e, n] = sum over the real slots s of expert e of scale(s) * R[row_R(s), n], with scale 1
@@ -68,7 +65,6 @@ PADDED_K = flag_from_env("MOEGRAPH_WGRAD_PADDED", True)
 # for tests and benchmarks; LAST_WGRAD_STORE the same launch's (persistent, TMA store).
 LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool]] = {}
 LAST_WGRAD_STORE: dict[bool, tuple[bool, bool]] = {}
-LAST_WGRAD_FLAT: dict[bool, bool] = {}  # the same launch ran the flat persistent loop
 
 # The long-loop tiles' two variants (`wgrad_config`): `GemmConfig.persistent`, one program an
 # SM over the tiles (each tile's K loop as before), and `GemmConfig.store_tma`, the tile
@@ -112,12 +108,10 @@ def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None =
         # 1.011 / 1.001 -> 0.930 / 0.959 at 8192 with the store, but at 32768 3.264 / 3.270
         # -> 3.142 / 3.207 persistent alone against 3.153 / 3.432 with it: its store is kept
         # to the shorter loops (at most 1024 slots an expert).
-        # `flatten` off: each tile's K loop pipelined alone (the flat loop, _wgrad_flat, is
-        # the variant).
         if slot_order_l:
             store = routes_per_expert is None or routes_per_expert <= 1024
-            return _forced(wide._replace(persistent=True, flatten=False, store_tma=store))
-        return _forced(wide._replace(block_m=128, block_n=256, persistent=True, flatten=False,
+            return _forced(wide._replace(persistent=True, store_tma=store))
+        return _forced(wide._replace(block_m=128, block_n=256, persistent=True,
                                      store_tma=True))
     # Narrow weights: 128 x 64 x 32, 5 stages (the sweep of benchmarks/moe_experts.py).
     return GemmConfig(128, 64, 32, 8, 4, 5)
@@ -130,58 +124,6 @@ def _forced(cfg: GemmConfig) -> GemmConfig:
     if STORE_TMA is not None:
         cfg = cfg._replace(store_tma=STORE_TMA)
     return cfg
-
-
-@triton.jit
-def _wgrad_operands(l_ptr, r_ptr, l_desc, r_desc, slots, tok, row0, m0, n0, offs_m, offs_n,
-                    m_ok, n_ok, num_tokens, stride_l, stride_r, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, GATHER_L: tl.constexpr, GATHER_R: tl.constexpr,
-                    L_TMA: tl.constexpr, R_TMA: tl.constexpr):
-    """The padded loop's K step at slots (row0 = its first) of the tile at (m0, n0): L^T
-    [BLOCK_M, BLOCK_K] and R [BLOCK_K, BLOCK_N]. Slots past the count are padding, zeros in a slot-order operand and
-    masked by their sentinel token (`tok`, the step's token ids) in a gathered one."""
-    row_l = slots
-    row_r = slots
-    l_mask = m_ok[:, None]
-    r_mask = n_ok[None, :]
-    if GATHER_L:
-        row_l = tok
-        l_mask = (tok < num_tokens)[None, :] & m_ok[:, None]
-    if GATHER_R:
-        row_r = tok
-        r_mask = (tok < num_tokens)[:, None] & n_ok[None, :]
-    # L^T tile [BLOCK_M, BLOCK_K]: column k of it is row row_l[k] of L.
-    if L_TMA:
-        lt = l_desc.load([row0, m0]).T
-    else:
-        lt = tl.load(l_ptr + row_l.to(tl.int64)[None, :] * stride_l + offs_m[:, None],
-                     mask=l_mask, other=0.0)
-    if R_TMA:
-        r = r_desc.load([row0, n0])
-    else:
-        r = tl.load(r_ptr + row_r.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
-                    mask=r_mask, other=0.0)
-    return lt, r
-
-
-@triton.jit
-def _wgrad_store(acc, expert, m0, n0, offs_m, offs_n, m_ok, n_ok, dw_ptr, dw_desc, M,
-                 stride_dwe, stride_dwm, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, OUT_TMA: tl.constexpr):
-    """The dW tile out: by a TMA bulk store or pointers (added to what dW holds where
-    ACCUMULATE)."""
-    if OUT_TMA:
-        # dW as [E * M, N] (M a multiple of BLOCK_M): the tile goes out by an asynchronous
-        # bulk store, and the program moves on while the copy engine drains it.
-        dw_desc.store([expert * M + m0, n0],
-                      acc.to(dw_ptr.dtype.element_ty))
-    else:
-        dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
-                   + offs_m.to(tl.int64)[:, None] * stride_dwm + offs_n[None, :])
-        if ACCUMULATE:
-            acc += tl.load(dw_ptrs, mask=m_ok[:, None] & n_ok[None, :],
-                           other=0.0).to(tl.float32)
-        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -216,109 +158,56 @@ def _wgrad_tile(
                            other=num_tokens)
     for k0 in range(0, count, BLOCK_K):
         slots = start + k0 + offs_k
+        row_l = slots
+        row_r = slots
         if PADDED:
             # The K tile stays inside the expert's live blocks (BLOCK_K divides the route
-            # block).
+            # block): slots past the count are padding, zeros in a slot-order operand and
+            # masked by their sentinel token in a gathered one.
             tok = tok_next
             tok_next = tl.load(slot_token_ptr + slots + BLOCK_K,
                                mask=slots + BLOCK_K < num_slots, other=num_tokens)
-            lt, r = _wgrad_operands(l_ptr, r_ptr, l_desc, r_desc, slots, tok, start + k0,
-                                    pid_m * BLOCK_M, pid_n * BLOCK_N, offs_m, offs_n, m_ok,
-                                    n_ok, num_tokens, stride_l, stride_r, BLOCK_M, BLOCK_N,
-                                    GATHER_L, GATHER_R, L_TMA, R_TMA)
+            l_mask = m_ok[:, None]
+            r_mask = n_ok[None, :]
+            if GATHER_L:
+                row_l = tok
+                l_mask = (tok < num_tokens)[None, :] & m_ok[:, None]
+            if GATHER_R:
+                row_r = tok
+                r_mask = (tok < num_tokens)[:, None] & n_ok[None, :]
         else:
             k_ok = offs_k + k0 < count
             l_mask = k_ok[None, :] & m_ok[:, None]
             r_mask = k_ok[:, None] & n_ok[None, :]
-            row_l = slots
-            row_r = slots
             if GATHER_L:
                 row_l = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
             if GATHER_R:
                 row_r = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
+        # L^T tile [BLOCK_M, BLOCK_K]: column k of it is row row_l[k] of L.
+        if L_TMA:
+            lt = l_desc.load([start + k0, pid_m * BLOCK_M]).T
+        else:
             lt = tl.load(l_ptr + row_l.to(tl.int64)[None, :] * stride_l + offs_m[:, None],
                          mask=l_mask, other=0.0)
+        if R_TMA:
+            r = r_desc.load([start + k0, pid_n * BLOCK_N])
+        else:
             r = tl.load(r_ptr + row_r.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
                         mask=r_mask, other=0.0)
         acc = tl.dot(lt, r, acc)
-    _wgrad_store(acc, expert, pid_m * BLOCK_M, pid_n * BLOCK_N, offs_m, offs_n, m_ok, n_ok,
-                 dw_ptr, dw_desc, M, stride_dwe, stride_dwm, ACCUMULATE, BLOCK_M, BLOCK_N,
-                 OUT_TMA)
 
-
-@triton.jit
-def _flat_steps(expert_count_ptr, pid0, num_programs, num_tiles, per_expert,
-                BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
-    """The K steps of this program's tiles (pid0, pid0 + num_programs, ...), at least one a
-    tile: an empty expert's tile still runs one step, to write its zeros."""
-    total = 0
-    for c0 in range(0, tl.cdiv(num_tiles - pid0, num_programs), CHUNK):
-        t = pid0 + (c0 + tl.arange(0, CHUNK)) * num_programs
-        live = t < num_tiles
-        count = tl.load(expert_count_ptr + t // per_expert, mask=live, other=0)
-        total += tl.sum(tl.where(live, tl.maximum(tl.cdiv(count, BLOCK_K), 1), 0))
-    return total
-
-
-@triton.jit
-def _wgrad_flat(
-    l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc, slot_token_ptr, expert_start_ptr,
-    expert_count_ptr, M, N, num_tokens, num_slots, num_tiles, stride_l, stride_r, stride_dwe,
-    stride_dwm,
-    GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr, OUT_TMA: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """The persistent walk as one loop over this program's (tile, K step) pairs, so the
-    pipeliner loads the next tile's first K steps under this tile's last ones and its store.
-    Each tile sums the same K steps in the same order as _wgrad_tile's padded loop (the same
-    dots from zero), so every value is the same; an empty expert's one step is thrown away."""
-    pid0 = tl.program_id(0)
-    progs = tl.num_programs(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_expert = tiles_m * tiles_n
-    total = _flat_steps(expert_count_ptr, pid0, progs, num_tiles, per_expert, BLOCK_K, CHUNK)
-    offs_k = tl.arange(0, BLOCK_K)
-
-    tile = pid0
-    expert = tile // per_expert
-    pid_m, pid_n = grouped_pid(tile % per_expert, tiles_m, tiles_n, GROUP_M)
-    start = tl.load(expert_start_ptr + expert, mask=tile < num_tiles, other=0)
-    count = tl.load(expert_count_ptr + expert, mask=tile < num_tiles, other=0)
-    steps = tl.maximum(tl.cdiv(count, BLOCK_K), 1)
-    k0 = 0
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, total):
-        slots = start + k0 + offs_k
-        tok = tl.load(slot_token_ptr + slots, mask=slots < num_slots, other=num_tokens)
-        last = k0 + BLOCK_K >= steps * BLOCK_K
-        nxt = tile + progs
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        lt, r = _wgrad_operands(l_ptr, r_ptr, l_desc, r_desc, slots, tok, start + k0,
-                                pid_m * BLOCK_M, pid_n * BLOCK_N, offs_m, offs_n, m_ok, n_ok,
-                                num_tokens, stride_l, stride_r, BLOCK_M, BLOCK_N, GATHER_L,
-                                GATHER_R, L_TMA, R_TMA)
-        acc = tl.dot(lt, r, acc)
-        if last:
-            acc = tl.where(count > 0, acc, 0.0)  # an empty expert: its step read other rows
-            _wgrad_store(acc, expert, pid_m * BLOCK_M, pid_n * BLOCK_N, offs_m, offs_n, m_ok,
-                         n_ok, dw_ptr, dw_desc, M, stride_dwe, stride_dwm, ACCUMULATE, BLOCK_M,
-                         BLOCK_N, OUT_TMA)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            tile = nxt
-            expert = tile // per_expert
-            pid_m, pid_n = grouped_pid(tile % per_expert, tiles_m, tiles_n, GROUP_M)
-            start = tl.load(expert_start_ptr + expert, mask=tile < num_tiles, other=0)
-            count = tl.load(expert_count_ptr + expert, mask=tile < num_tiles, other=0)
-            steps = tl.maximum(tl.cdiv(count, BLOCK_K), 1)
-            k0 = 0
-        else:
-            k0 += BLOCK_K
+    if OUT_TMA:
+        # dW as [E * M, N] (M a multiple of BLOCK_M): the tile goes out by an asynchronous
+        # bulk store, and the program moves on while the copy engine drains it.
+        dw_desc.store([expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N],
+                      acc.to(dw_ptr.dtype.element_ty))
+    else:
+        dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
+                   + offs_m.to(tl.int64)[:, None] * stride_dwm + offs_n[None, :])
+        if ACCUMULATE:
+            acc += tl.load(dw_ptrs, mask=m_ok[:, None] & n_ok[None, :],
+                           other=0.0).to(tl.float32)
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -329,14 +218,9 @@ def _expert_wgrad_kernel(
     GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
-    OUT_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLAT: tl.constexpr,
+    OUT_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    if FLAT:  # persistent, padded: one loop over (tile, K step)
-        _wgrad_flat(l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc, slot_token_ptr,
-                    expert_start_ptr, expert_count_ptr, M, N, num_tokens, num_slots, num_tiles,
-                    stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R, ACCUMULATE,
-                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, L_TMA, R_TMA, OUT_TMA, 128)
-    elif PERSISTENT:
+    if PERSISTENT:
         # One program an SM walks the tiles in the same order; the K loop inside stays the
         # one-tile loop (pipelined alone), so every tile sums the same terms in the same order.
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
@@ -371,9 +255,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     dw_desc = _out_desc(out_EMN, cfg, accumulate)
     num_tiles = num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     persistent = cfg.persistent and tma.persistent_available()
-    flat = persistent and cfg.flatten and padded
     LAST_WGRAD_STORE[gather_l] = (persistent, dw_desc is not None)
-    LAST_WGRAD_FLAT[gather_l] = flat
     grid = (min(num_tiles, tma.num_programs(l_rows.device)) if persistent else num_tiles,)
 
     def launch(c):
@@ -386,8 +268,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
             out_EMN.stride(1), GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             PADDED=padded, L_TMA=l_desc is not None, R_TMA=r_desc is not None,
-            OUT_TMA=dw_desc is not None, PERSISTENT=persistent, FLAT=flat,
-            **c.launch_options())
+            OUT_TMA=dw_desc is not None, PERSISTENT=persistent, **c.launch_options())
 
     if not l_rows.is_cuda:
         launch(cfg)

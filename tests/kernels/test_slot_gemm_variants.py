@@ -134,7 +134,7 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     big, small = ("tma+persistent+pair", "tma+pair") if gc.FC1_PAIRED else ("tma", "tma")
     # dW: the slot-order side by TMA; the long loops persistent with the tile stored by TMA
     for routes, variants, dw in ((8192 * 8, (big, "tma+persistent", "base", "tma+persistent"),
-                                  "tma+persistent+noflat+store"),
+                                  "tma+persistent+store"),
                                  (1024 * 8, (small, "base", "base", "tma+persistent"), "tma")):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
         assert tuple(c.variant for c in chosen[1:5]) == variants

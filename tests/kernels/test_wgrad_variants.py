@@ -95,53 +95,22 @@ def test_padded_k_loop_matches_the_masked_loop(case, tma, capacity_factor, monke
             assert torch.equal(g, w), f"{name} ({plan}): differs from the masked loop"
 
 
-@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("store_tma", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_persistent_and_tma_store_variants_are_bitwise_equal(case, store_tma, tma,
-                                                             monkeypatch):
-    """One program an SM over the tiles (its tile loop or the flat (tile, K step) loop) and /
-    or the TMA bulk store: the same values; every element written (NaN before), empty experts
-    exact zeros; the store by TMA exactly where M is a multiple of BLOCK_M."""
+def test_persistent_and_tma_store_variants_are_bitwise_equal(case, store_tma, monkeypatch):
+    """One program an SM over the tiles and / or the TMA bulk store: the same values; every
+    element written (NaN before); the store by TMA exactly where M is a multiple of BLOCK_M."""
     problem = _problem(case, None, "cpu", torch.float32, 16)
-    want = _both_dw(problem, CPU_CFG._replace(tma=tma), True, monkeypatch)
+    want = _both_dw(problem, CPU_CFG, True, monkeypatch)
     _, _, _, _, H, F = case
-    empty = problem[4].expert_counts == 0
-    for persistent, flatten in ((False, False), (True, False), (True, True)):
-        cfg = CPU_CFG._replace(persistent=persistent, flatten=flatten, store_tma=store_tma,
-                               tma=tma)
+    for persistent in (False, True):
+        cfg = CPU_CFG._replace(persistent=persistent, store_tma=store_tma)
         got = _both_dw(problem, cfg, True, monkeypatch)
         for gather_l, (g, _), (w, _) in zip((True, False), got, want):
             m = H if gather_l else 2 * F
             assert wg.LAST_WGRAD_STORE[gather_l] == (persistent,
                                                      store_tma and m % CPU_CFG.block_m == 0)
-            assert wg.LAST_WGRAD_FLAT[gather_l] == (persistent and flatten)
-            assert (g[empty] == 0).all(), (gather_l, persistent, flatten)
-            assert torch.equal(g, w), (gather_l, persistent, flatten, store_tma)
-
-
-@pytest.mark.parametrize("programs", [1, 2, 3, 1000])
-def test_flat_loop_at_any_program_count(programs, monkeypatch):
-    """The flat loop's walk with fewer programs than tiles (each program many tiles, its K
-    steps crossing tile and expert boundaries, empty experts among them) and more."""
-    import moegraph_kernels.tma as tma_mod
-    problem = _problem(CASES[3], None, "cpu", torch.float32, 16)
-    want = _both_dw(problem, CPU_CFG, True, monkeypatch)
-    monkeypatch.setattr(tma_mod, "num_programs", lambda device: programs)
-    got = _both_dw(problem, CPU_CFG._replace(persistent=True, flatten=True), True, monkeypatch)
-    for (g, _), (w, _) in zip(got, want):
-        assert torch.equal(g, w)
-
-
-def test_flat_loop_accumulates_like_the_tile_loop(monkeypatch):
-    problem = _problem(CASES[3], None, "cpu", torch.float32, 16)
-    base = [torch.randn(t.shape) for t, _ in _both_dw(problem, CPU_CFG, True, monkeypatch)]
-    want = _both_dw(problem, CPU_CFG, True, monkeypatch, accumulate_onto=base)
-    got = _both_dw(problem, CPU_CFG._replace(persistent=True, flatten=True), True,
-                   monkeypatch, accumulate_onto=base)
-    assert wg.LAST_WGRAD_FLAT[False]
-    for (g, _), (w, _) in zip(got, want):
-        assert torch.equal(g, w)
+            assert torch.equal(g, w), (gather_l, persistent, store_tma)
 
 
 def test_an_accumulating_launch_keeps_the_pointer_store(monkeypatch):
@@ -214,20 +183,15 @@ def test_cuda_persistent_and_tma_store_variants_are_bitwise_equal(case, monkeypa
     problem = _problem(case, None, "cuda", torch.bfloat16, block)
     for tile in (wg.wgrad_config(F, torch.device("cuda"), T * k / E),
                  wg.wgrad_config(H, torch.device("cuda"), T * k / E, slot_order_l=True)):
-        plain = tile._replace(persistent=False, flatten=False, store_tma=False)
+        plain = tile._replace(persistent=False, store_tma=False)
         want = _both_dw(problem, plain, True, monkeypatch)
-        empty = problem[4].expert_counts == 0
-        for persistent, flat, store in ((True, False, False), (False, False, True),
-                                        (True, False, True), (True, True, False),
-                                        (True, True, True)):
-            cfg = plain._replace(persistent=persistent, flatten=flat, store_tma=store)
+        for persistent, store in ((True, False), (False, True), (True, True)):
+            cfg = plain._replace(persistent=persistent, store_tma=store)
             got = _both_dw(problem, cfg, True, monkeypatch)
             torch.cuda.synchronize()
             for gather_l, (g, _), (w, _) in zip((True, False), got, want):
                 assert wg.LAST_WGRAD_STORE[gather_l][0] == persistent
-                assert wg.LAST_WGRAD_FLAT[gather_l] == flat
                 assert torch.isfinite(g).all(), (cfg, gather_l)
-                assert (g[empty] == 0).all(), (cfg, gather_l)
                 assert torch.equal(g, w), (cfg, gather_l)
 
 
