@@ -218,6 +218,40 @@ def time_led_graphs(recs: list[dict], graphs: dict, rounds: int, burst_ms: float
                        ratio_to_default=timed[rec["entry"]]["ms"] / timed["default"]["ms"])
 
 
+def graphed_ab(fns: dict, records: dict, rounds: int, burst_ms: float, *,
+               compare=lambda name: True, diff: bool = False) -> list[dict]:
+    """A side-by-side run of graphs: fns {name: fn returning its output tensors}, "default"
+    first among them; records {name: the record to fill}. Each fn is captured in one CUDA
+    graph (capture_graph) and replayed once; where compare(name), its outputs are compared
+    with the default's: `equal_default` (bitwise) and, with `diff`, `max_abs_diff`. A fn that
+    fails gets `error` (the run goes on without it). Then time_led_graphs times the graphs
+    (when the default's was captured). Returns the records in fns' order."""
+    import torch
+    graphs, outs = {}, {}
+    for name, fn in fns.items():
+        rec = records[name]
+        try:
+            def body(fn=fn, name=name):
+                outs[name] = fn()
+            graphs[name] = capture_graph(body)
+            graphs[name].replay()
+            torch.cuda.synchronize()
+            if compare(name):
+                got, want = outs[name], outs.get("default", outs[name])
+                rec["equal_default"] = all(torch.equal(a, b) for a, b in zip(got, want))
+                if diff:
+                    rec["max_abs_diff"] = max(float((a.float() - b.float()).abs().max())
+                                              for a, b in zip(got, want))
+        except Exception as exc:  # noqa: BLE001 - a failing variant: recorded, the run goes on
+            rec["error"] = error_text(exc)
+    recs = [records[n] for n in fns]
+    if "default" in graphs:
+        time_led_graphs(recs, graphs, rounds, burst_ms)
+    del graphs, outs
+    torch.cuda.empty_cache()
+    return recs
+
+
 def capture_graph(fn):
     """fn captured in one CUDA graph, after three warm-up calls on a side stream."""
     import torch

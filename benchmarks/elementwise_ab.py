@@ -26,8 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import capture_graph, default_out, environment, error_text, time_led_graphs, \
-    write_json
+from common import default_out, environment, graphed_ab, write_json
 
 GROUPS = ("rope_fwd", "rope_bwd", "ce_fwd", "ce_bwd", "counts")
 HEADS, KV_HEADS, HEAD_DIM, VOCAB, EXPERTS, TOP_K = 32, 4, 128, 151936, 128, 8
@@ -142,30 +141,11 @@ def run_group(group: str, T: int, rounds: int) -> list[dict]:
     fns, nbytes = MAKERS[group](T)
     src = torch.empty(max(nbytes // 4, 1), dtype=torch.bfloat16, device="cuda")  # r + w
     fns["copy"] = lambda: [src.clone()]
-    graphs, outs, recs = {}, {}, []
-    for name, fn in fns.items():
-        rec = {"group": group, "T": T, "entry": name, "bytes": nbytes}
-        try:
-            def body(fn=fn, name=name):
-                outs[name] = fn()
-            graphs[name] = capture_graph(body)
-            graphs[name].replay()
-            torch.cuda.synchronize()
-            if name != "copy":
-                got, want = outs[name], outs.get("default", outs[name])
-                rec["equal_default"] = all(torch.equal(a, b) for a, b in zip(got, want))
-                rec["max_abs_diff"] = max(float((a.float() - b.float()).abs().max())
-                                          for a, b in zip(got, want))
-        except Exception as exc:  # noqa: BLE001 - a failing variant: recorded, the run goes on
-            rec["error"] = error_text(exc)
-        recs.append(rec)
-    if "default" in graphs:
-        time_led_graphs(recs, graphs, rounds, 20)
-        for rec in recs:
-            if "ms" in rec:
-                rec["gb_per_s"] = nbytes / rec["ms"] / 1e6
-    del graphs, outs
-    torch.cuda.empty_cache()
+    records = {name: {"group": group, "T": T, "entry": name, "bytes": nbytes} for name in fns}
+    recs = graphed_ab(fns, records, rounds, 20, compare=lambda name: name != "copy", diff=True)
+    for rec in recs:
+        if "ms" in rec:
+            rec["gb_per_s"] = nbytes / rec["ms"] / 1e6
     return recs
 
 

@@ -31,8 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import capture_graph, default_out, environment, error_text, time_led_graphs, \
-    write_json
+from common import default_out, environment, graphed_ab, write_json
 from experts import SHAPES, fwd_flops, leaves_of, load_stats, make_case
 
 KERNELS = ("fc1", "fc2", "dact", "dx", "wgrad_down", "wgrad_gate_up")
@@ -93,32 +92,22 @@ def run_case(T, routing, alts, args) -> list[dict]:
     defaults = tile_configs(T * k, E, H, F, torch.device("cuda"))
     base = {"T": T, "routing": routing, "skew": args.skew if routing == "skewed" else 0,
             "load": load_stats(case[1], E)}
-    graphs, outs, recs = {}, {}, []
+    fns, records = {}, {}
     for name, cfg in entries(defaults, alts).items():
-        rec = {**base, "entry": name,
-               "configs": {kn: [*getattr(cfg, kn)[:6], getattr(cfg, kn).variant]
-                           for kn in KERNELS}}
-        try:
-            def body(cfg=cfg, name=name):
-                y = permute_free_moe_with_drops(*case, configs=cfg)[0]
-                # y detached: kept with its autograd graph, the next capture's AccumulateGrad
-                # nodes would meet the ones this capture's warm-up made on its side stream
-                outs[name] = [*torch.autograd.grad(y, leaves, dout), y.detach()]
-            graphs[name] = capture_graph(body)
-            graphs[name].replay()
-            torch.cuda.synchronize()
-            got, want = outs[name], outs.get("default", outs[name])
-            rec["equal_default"] = all(torch.equal(a, b) for a, b in zip(got, want))
-        except Exception as exc:  # noqa: BLE001 - a failing variant: recorded, the run goes on
-            rec["error"] = error_text(exc)
-        recs.append(rec)
-    if "default" in graphs:
-        time_led_graphs(recs, graphs, args.rounds, 60)
-        for rec in recs:
-            if "ms" in rec:
-                rec["tflops"] = 3 * fwd_flops("qwen3", T) / rec["ms"] / 1e9
-    del graphs, outs
-    torch.cuda.empty_cache()
+        records[name] = {**base, "entry": name,
+                         "configs": {kn: [*getattr(cfg, kn)[:6], getattr(cfg, kn).variant]
+                                     for kn in KERNELS}}
+
+        def fn(cfg=cfg):
+            y = permute_free_moe_with_drops(*case, configs=cfg)[0]
+            # y detached: kept with its autograd graph, the next capture's AccumulateGrad
+            # nodes would meet the ones this capture's warm-up made on its side stream
+            return [*torch.autograd.grad(y, leaves, dout), y.detach()]
+        fns[name] = fn
+    recs = graphed_ab(fns, records, args.rounds, 60)
+    for rec in recs:
+        if "ms" in rec:
+            rec["tflops"] = 3 * fwd_flops("qwen3", T) / rec["ms"] / 1e9
     return recs
 
 
