@@ -88,3 +88,17 @@ def test_tiles_ab_entries_equal_and_timed(monkeypatch):
     for r in recs:
         assert "error" not in r and r["equal_default"] and r["ms"] > 0, r
     assert recs[0]["ratio_to_default"] == 1.0
+
+
+def test_elementwise_ab_group_equal_and_timed(monkeypatch):
+    """elementwise_ab.py's route-count group: every entry captured and timed, each but the
+    copy floor compared with the default (bitwise, and its largest difference)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import elementwise_ab
+    recs = elementwise_ab.run_group("counts", 4096, 2)
+    assert [r["entry"] for r in recs] == ["default", "twin", "scatter_add", "copy"]
+    for r in recs:
+        assert "error" not in r and r["ms"] > 0 and r["gb_per_s"] > 0, r
+    assert all(r["equal_default"] and r["max_abs_diff"] == 0 for r in recs[:3])
+    assert "equal_default" not in recs[3]
+    assert recs[0]["ratio_to_default"] == 1.0
