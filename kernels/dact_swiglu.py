@@ -7,6 +7,12 @@ F ffn width, E experts; all tensors row-major with a contiguous last dimension):
   dW_down wgrad) and dp_part [S, cdiv(F, BN)] fp32 (`dp_tiles` columns), the per-column-tile
   partial sums of d(route probability); the caller reduces its rows in a fixed order (no
   atomics). CLAMPED picks the clamped SwiGLU backward.
+- `paired` (GemmConfig; where 2 BN divides F): one program computes a [BM, 2 BN] dA tile in
+  one dot a K step (the gathered dOut tile feeds twice the columns), rounds it to the input
+  dtype and runs the epilogue one [BM, BN / 2] quarter at a time, so its registers stay below
+  those of a BN-wide tile's epilogue; each quarter writes its own dp_part column (`dp_tiles`).
+  dY1 and A are those of the BN tile; dp_part sums its columns in other groups. No split tail
+  with it.
 The gathered rows ride the A-tile load (`gathered_k_loop`, gathered_loop.py). Sentinel and
 padding rules, tile configs and the variants: gemm_config.py; launch and fallback:
 gemm_launch.py.
@@ -28,6 +34,37 @@ from .slot_schedule import (live_block_list, persistent_tile, program_tile,
 
 
 @triton.jit
+def _dact_epilogue(
+    acc, offs_m, offs_n, pid_dp, row_ok, route, route_ok, y1_ptr, weights_ptr, dy1_ptr,
+    act_ptr, dp_ptr, alpha, limit, ffn, stride_y1, stride_dy1, stride_act, stride_dp,
+    CLAMPED: tl.constexpr, ROUTE_MASK: tl.constexpr,
+):
+    """The SwiGLU backward of one [BM, BN] dA tile at columns offs_n: dY1, A and dp_part's
+    column pid_dp."""
+    n_ok = offs_n < ffn
+    # dA as autograd would hand it to the activation: rounded to the input dtype.
+    da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
+    rows = offs_m.to(tl.int64)[:, None]
+    # A padding slot has both sentinels, so route_ok == row_ok. ROUTE_MASK (the persistent
+    # loop) masks by the route: row_ok, from the A-load's tokens, would then have to stay live
+    # across the K loop in the epilogue's layout, once per pipeline stage, which spills.
+    tile_mask = (route_ok if ROUTE_MASK else row_ok)[:, None] & n_ok[None, :]
+    y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
+    g = tl.load(y1_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
+    p = tl.load(weights_ptr + route, mask=route_ok, other=0.0).to(tl.float32)
+    dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
+    act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
+    out_mask = n_ok[None, :]
+    dy1_ptrs = dy1_ptr + rows * stride_dy1 + offs_n[None, :]
+    tl.store(dy1_ptrs, dg.to(dy1_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dy1_ptrs + ffn, du.to(dy1_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(act_ptr + rows * stride_act + offs_n[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_dp, dp_part)
+
+
+@triton.jit
 def _dact_swiglu_tile(
     pid_m, pid_n, expert,
     dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
@@ -36,7 +73,7 @@ def _dact_swiglu_tile(
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
-    ROUTE_MASK: tl.constexpr,
+    ROUTE_MASK: tl.constexpr, HALVES: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,28 +93,35 @@ def _dact_swiglu_tile(
         w_desc, expert * hidden, pid_n * BLOCK_N, 0,
         BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=USE_TMA, B_NK=False)
 
-    # dA as autograd would hand it to the activation: rounded to the input dtype.
-    da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
-    rows = offs_m.to(tl.int64)[:, None]
     route = tl.load(slot_route_ptr + offs_m)
     route_ok = route < num_routes
-    # A padding slot has both sentinels, so route_ok == row_ok. ROUTE_MASK (the persistent
-    # loop) masks by the route: row_ok, from the A-load's tokens, would then have to stay live
-    # across the K loop in the epilogue's layout, once per pipeline stage, which spills.
-    tile_mask = (route_ok if ROUTE_MASK else row_ok)[:, None] & n_ok[None, :]
-    y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
-    g = tl.load(y1_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-    u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
-    p = tl.load(weights_ptr + route, mask=route_ok, other=0.0).to(tl.float32)
-    dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
-    act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
-    out_mask = n_ok[None, :]
-    dy1_ptrs = dy1_ptr + rows * stride_dy1 + offs_n[None, :]
-    tl.store(dy1_ptrs, dg.to(dy1_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(dy1_ptrs + ffn, du.to(dy1_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(act_ptr + rows * stride_act + offs_n[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_n, dp_part)
+    if HALVES:
+        # One [BM, 2 BN'] dot (BN' = BLOCK_N / 2, the config's block_n), rounded to the input
+        # dtype at once (as the epilogue would), the epilogue then a [BM, BN' / 2] quarter at a
+        # time, each writing its own dp_part column: the registers stay below a BN'-wide
+        # tile's epilogue (half the columns live at most), where halves spilled.
+        Q: tl.constexpr = BLOCK_N // 4
+        acc16 = acc.to(dy1_ptr.dtype.element_ty)
+        lo, hi = tl.split(tl.permute(tl.reshape(acc16, (BLOCK_M, 2, 2 * Q)), (0, 2, 1)))
+        q0, q1 = tl.split(tl.permute(tl.reshape(lo, (BLOCK_M, 2, Q)), (0, 2, 1)))
+        q2, q3 = tl.split(tl.permute(tl.reshape(hi, (BLOCK_M, 2, Q)), (0, 2, 1)))
+        offs_q = pid_n * BLOCK_N + tl.arange(0, Q)
+        _dact_epilogue(q0, offs_m, offs_q, 4 * pid_n, row_ok, route, route_ok, y1_ptr,
+                       weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
+                       stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
+        _dact_epilogue(q1, offs_m, offs_q + Q, 4 * pid_n + 1, row_ok, route, route_ok,
+                       y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
+                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
+        _dact_epilogue(q2, offs_m, offs_q + 2 * Q, 4 * pid_n + 2, row_ok, route, route_ok,
+                       y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
+                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
+        _dact_epilogue(q3, offs_m, offs_q + 3 * Q, 4 * pid_n + 3, row_ok, route, route_ok,
+                       y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
+                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
+    else:
+        _dact_epilogue(acc, offs_m, offs_n, pid_n, row_ok, route, route_ok, y1_ptr,
+                       weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
+                       stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
 
 
 @triton.jit
@@ -100,6 +144,7 @@ def _dact_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
+    HALVES: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -118,7 +163,7 @@ def _dact_swiglu_kernel(
                 slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, HALVES)
             if TAIL == 2:
                 _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                                 stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -134,7 +179,7 @@ def _dact_swiglu_kernel(
             slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, HALVES)
         if TAIL == 2:
             _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                             stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -145,8 +190,9 @@ def _dact_swiglu_kernel(
 
 
 def dp_tiles(ffn: int, cfg: GemmConfig) -> int:
-    """Columns of dact_swiglu's dp_part buffer."""
-    return triton.cdiv(ffn, cfg.block_n)
+    """Columns of dact_swiglu's dp_part buffer: one a column tile, or with `paired` one an
+    epilogue quarter of the 2 BN tile (BN / 2 columns)."""
+    return triton.cdiv(ffn, cfg.block_n // 2 if halves(ffn, cfg) else cfg.block_n)
 
 
 def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
@@ -166,15 +212,27 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
                                act_out, dp_part_out, c, clamp))
 
 
+def halves(ffn: int, cfg: GemmConfig) -> bool:
+    """Whether cfg's `paired` applies to dact: a [BM, 2 BN] tile, its epilogue in four BN / 2
+    quarters, where 2 BN divides F (so every one of dp_part's cdiv(F, BN / 2) columns is
+    written)."""
+    return cfg.paired and ffn % (2 * cfg.block_n) == 0
+
+
 def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, act_out,
                  dp_part_out, cfg, clamp=None):
     num_tokens, hidden = dout_TH.shape
     ffn = w_down_EHF.shape[2]
+    paired = halves(ffn, cfg)
+    # The kernel's tile: 2 BN wide when paired (no split tail then: its zero rows are written
+    # per BN tile).
+    tile = cfg._replace(block_n=2 * cfg.block_n, split_tail=False) if paired else cfg
+    tile = tile._replace(paired=False)
     w_desc = None
     # Tiles of w_down [E, H, F] past H would contract the next expert's rows: even H only.
-    if cfg.tma and tma.tma_available(dout_TH.device) and hidden % cfg.block_k == 0:
-        w_desc = tma.weight_desc(w_down_EHF, (cfg.block_k, cfg.block_n))
-    grid, live_list, meta, plan = gl.build_plan(routes, cfg, ffn, dout_TH.device,
+    if tile.tma and tma.tma_available(dout_TH.device) and hidden % tile.block_k == 0:
+        w_desc = tma.weight_desc(w_down_EHF, (tile.block_k, tile.block_n))
+    grid, live_list, meta, plan = gl.build_plan(routes, tile, ffn, dout_TH.device,
                                                 w_desc is not None)
 
     def launch(grid, cfg, live_list, meta, tail):
@@ -189,8 +247,9 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            **cfg.launch_options(), **meta)
+            HALVES=paired, **cfg.launch_options(), **meta)
 
-    gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, cfg, grid, live_list, meta, plan,
-                                           w_down_EHF.shape[0], ffn, dout_TH.device)
+    gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, tile, grid, live_list, meta, plan,
+                                           w_down_EHF.shape[0], ffn, dout_TH.device
+                                           )._replace(paired=paired)
     return dy1_out, act_out, dp_part_out

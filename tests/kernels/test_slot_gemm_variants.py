@@ -100,6 +100,11 @@ def _check_against_default(case, capacity_factor, cfg, route_block=16):
     plans = dict(gl.LAST_PLAN)
     live = _live_rows(_problem(case, capacity_factor, route_block)[-1])
     for kernel in KERNELS:
+        if kernel == "dact" and plans[kernel].paired:  # twice the dp_part columns
+            _check_paired_dact(got[kernel], want[kernel], live, lambda g, w, what:
+                               torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6,
+                                                          msg=what))
+            continue
         for i, (g, w) in enumerate(zip(got[kernel], want[kernel])):
             what = f"{kernel} output {i} ({cfg.variant}, plan {plans[kernel]})"
             assert torch.isfinite(g[live]).all(), f"{what}: a live row is not finite"
@@ -625,3 +630,80 @@ def test_cuda_persistent_tma_slot_gemm_replays_in_a_graph_with_new_routing():
     torch.cuda.synchronize()
     live = _live_rows(routes2)
     assert torch.equal(out[live], want[live])
+
+
+DACT_PAIR_CASES = [  # F a multiple of 2 BN (64 on the CPU tile)
+    ("uniform", 48, 2, 8, 33, 64),  # odd H: ragged K tiles
+    ("sparse_experts", 32, 2, 9, 32, 128),  # empty experts; two paired column tiles
+    ("uniform", 1, 2, 5, 32, 64),  # one token
+    ("uniform", 12, 5, 5, 20, 64),  # k == E
+    ("one_expert", 40, 1, 5, 64, 64),  # every token to one expert
+]
+
+
+@pytest.mark.parametrize("variant", ["pair", "persistent+pair"])
+@pytest.mark.parametrize("case", DACT_PAIR_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_dact_paired_halves_match_the_bn_tile(case, variant):
+    """dact's [BM, 2 BN] tile with its epilogue in BN / 2 quarters against the BN-wide tile,
+    on the same inputs: dY1 and A, and dp_part's quarter columns, pairwise summed, against the
+    BN tile's columns; dead blocks' rows left NaN. The interpreter's numpy dot may sum a wider
+    tile in another order, so the CPU compares to 1e-6; the CUDA test below asks for bitwise
+    dY1 and A."""
+    want = _default(case, None)
+    inputs = (want["fc1"][0], want["fc1"][1], want["dact"][0])
+    got = _run_kernels(case, None, _cfg().with_variant(variant), inputs)
+    plan = gl.LAST_PLAN["dact"]
+    assert plan.paired and plan.persistent == ("persistent" in variant), plan
+    live = _live_rows(_problem(case, None)[-1])
+    _check_paired_dact(got["dact"], want["dact"], live,
+                       lambda g, w, what: torch.testing.assert_close(
+                           g, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}"))
+
+
+def _check_paired_dact(got, want, live, same):
+    """dY1 and A by `same`; dp_part: twice the columns, each pair summing to the BN tile's."""
+    for i in range(2):
+        assert torch.isnan(got[i][~live]).all(), f"dact output {i}: a dead block's row written"
+        same(got[i][live], want[i][live], f"dact output {i}")
+    dp, dp_want = got[2][live], want[2][live]
+    assert dp.shape[1] == 2 * dp_want.shape[1]
+    assert torch.isnan(got[2][~live]).all()
+    torch.testing.assert_close(dp.view(dp.shape[0], -1, 2).sum(-1), dp_want, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_dact_paired_needs_2bn_to_divide_f():
+    from moegraph_kernels.dact_swiglu import halves
+    cfg = _cfg(paired=True)
+    assert halves(64, cfg) and halves(128, cfg)
+    assert not halves(96, cfg) and not halves(32, cfg) and not halves(64, _cfg())
+    case = ("sparse_experts", 32, 2, 9, 32, 48)  # F = 48: the BN tile runs instead
+    _run_kernels(case, None, _cfg(paired=True))
+    assert not gl.LAST_PLAN["dact"].paired
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["pair", "tma+pair", "tma+persistent+pair"])
+@pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_dact_paired_halves_are_bitwise_equal(case, variant, monkeypatch):
+    """dact's [BM, 2 BN] tile (128 x 256 at the product's 128 x 128), one dot a K step, its
+    epilogue in halves, against the default BN tile under the same variant otherwise."""
+    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
+    base = _gpu_default_config("dact", case)._replace(paired=False)
+    F = case[-1]
+    if F % (2 * base.block_n):
+        pytest.skip("2 BN does not divide F")
+    y1 = _gpu_kernel("fc1", case, _gpu_default_config("fc1", case), None)[0]
+    plain = variant.replace("pair", "").strip("+") or "base"
+    want = _gpu_kernel("dact", case, base.with_variant(plain), {"y1": y1})
+    got = _gpu_kernel("dact", case, base._replace(num_stages=3).with_variant(variant),
+                      {"y1": y1})
+    plan = gl.LAST_PLAN["dact"]
+    torch.cuda.synchronize()
+    live = _live_rows(_gpu_problem(case)[-1])
+    assert plan.paired and not plan.fallback, plan
+
+    def same(g, w, what):
+        assert torch.equal(g, w), (
+            f"{what} under {variant}: max |diff| {(g.float() - w.float()).abs().max().item():.3e}")
+    _check_paired_dact(got, want, live, same)
