@@ -73,6 +73,10 @@ FC1_TMA_STORE = flag_from_env("MOEGRAPH_FC1_TMA_STORE", False)
 # MOEGRAPH_FC1_PAIRED=0).
 FC1_PAIRED = flag_from_env("MOEGRAPH_FC1_PAIRED", True)
 
+# dA at 128-row blocks as the paired 128 x 256 tile (GemmConfig.paired, dact_swiglu.py), 3
+# stages: the product's choice in moe/experts.tile_configs unless MOEGRAPH_DACT_PAIRED=0.
+DACT_PAIRED = flag_from_env("MOEGRAPH_DACT_PAIRED", True)
+
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
 # compiled but its first launch failed with "operation not supported on global/shared address
 # space" and lost the CUDA context (not recoverable, so no fallback can catch it). A config

@@ -121,7 +121,15 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     fc1 = "tma+pair" if gemm_config.FC1_PAIRED else "tma"
     if gemm_config.FC1_PAIRED and block >= 128:
         fc1 = "tma+persistent+pair"
-    return cfg._replace(fc1=cfg.fc1.with_variant(fc1), fc2=fc2, dx=dx)
+    # dA at 128-row blocks: the paired 128 x 256 tile, 3 stages, its epilogue a 64-column
+    # quarter at a time (dact_swiglu.py): benchmarks/tiles_ab.py on the H200, the whole
+    # expert fwd+bwd 0.986 / 0.979 of the 128 x 128 tile's at T = 8192 (uniform / skewed) and
+    # 0.991 / 1.000 at 32768, its twin 1.013 / 1.008 / 0.999 / 1.008
+    # (results/tiles_ab_dact_quarters.json); dY1 and A bitwise the same, dp_part in quarters.
+    dact = cfg.dact
+    if gemm_config.DACT_PAIRED and block >= 128:
+        dact = dact._replace(num_stages=3).with_variant("pair")
+    return cfg._replace(fc1=cfg.fc1.with_variant(fc1), fc2=fc2, dx=dx, dact=dact)
 
 
 def build_routes(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,

@@ -138,7 +138,7 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     # the product's choice (moe/experts.tile_configs), measured on the H200
     big, small = ("tma+persistent+pair", "tma+pair") if gc.FC1_PAIRED else ("tma", "tma")
     # dW: the slot-order side by TMA; the long loops persistent with the tile stored by TMA
-    for routes, variants, dw in ((8192 * 8, (big, "tma+persistent", "base", "tma+persistent"),
+    for routes, variants, dw in ((8192 * 8, (big, "tma+persistent", "pair", "tma+persistent"),
                                   "tma+persistent+store"),
                                  (1024 * 8, (small, "base", "base", "tma+persistent"), "tma")):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
@@ -152,9 +152,20 @@ def test_fc1_pairing_follows_its_switch(paired, monkeypatch):
     monkeypatch.setattr(gc, "FC1_PAIRED", paired)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, torch.device("cuda"))
     assert chosen.fc1.variant == ("tma+persistent+pair" if paired else "tma")
-    assert all(not c.paired for c in chosen[2:])
+    assert chosen.dact.paired and not any(c.paired for c in (chosen[2], *chosen[4:]))
     small = tile_configs(1024 * 8, 128, 2048, 768, torch.device("cuda"))  # 64-row blocks
     assert small.fc1.variant == ("tma+pair" if paired else "tma")
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_dact_pairing_follows_its_switch(paired, monkeypatch):
+    """MOEGRAPH_DACT_PAIRED (gc.DACT_PAIRED): dA's paired 128 x 256 tile at 3 stages at
+    128-row blocks (the H200's measured choice), the 128 x 128 tile at 4 otherwise."""
+    monkeypatch.setattr(gc, "DACT_PAIRED", paired)
+    chosen = tile_configs(8192 * 8, 128, 2048, 768, torch.device("cuda")).dact
+    assert (chosen.paired, chosen.num_stages) == ((True, 3) if paired else (False, 4))
+    assert tuple(chosen)[:5] == (128, 128, 64, 8, 8)
+    assert not tile_configs(1024 * 8, 128, 2048, 768, torch.device("cuda")).dact.paired
 
 
 def test_fc1_default_tiles_by_slot_block():
