@@ -671,6 +671,27 @@ def test_dact_paired_halves_match_the_bn_tile(case, variant):
                            g, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}"))
 
 
+@pytest.mark.parametrize("variant", ["pair", "persistent+pair"])
+def test_dact_paired_clamped_matches_the_bn_tile(variant):
+    """The same with GPT-OSS's clamped SwiGLU backward in the quarters' epilogue (a limit low
+    enough that both clamps bind on some elements)."""
+    case = ("sparse_experts", 32, 2, 9, 32, 128)
+    x, w_N, w_gate_up, w_down, dout, routes = _problem(case, None)
+    S, F = routes.num_slots, w_down.shape[2]
+    y1 = _default(case, None)["fc1"][0]
+
+    def run(cfg):
+        outs = (_nan(S, 2 * F), _nan(S, F), _nan(S, dp_tiles(F, cfg)))
+        return list(dact_swiglu(dout, w_down, y1, w_N, routes, *outs, cfg,
+                                clamp=(1.702, 0.5)))
+    want = run(_cfg())
+    got = run(_cfg().with_variant(variant))
+    assert gl.LAST_PLAN["dact"].paired
+    assert (y1[_live_rows(routes)].abs() > 0.5).any()  # the clamps bind somewhere
+    _check_paired_dact(got, want, _live_rows(routes), lambda g, w, what:
+                       torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=what))
+
+
 def _check_paired_dact(got, want, live, same):
     """dY1 and A by `same`; dp_part: twice the columns, each pair summing to the BN tile's."""
     for i in range(2):
