@@ -468,6 +468,19 @@ def test_variant_end_to_end_matches_reference(kind, T, k, E, H, F, capacity_fact
             dact=base.dact._replace(**fields), dx=base.dx._replace(**fields)))
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+@pytest.mark.parametrize("kind,T,k,E,H,F", [("zipf", 64, 4, 7, 36, 64),
+                                            ("sparse_experts", 32, 2, 9, 32, 128),
+                                            ("uniform", 12, 5, 5, 20, 64)])
+def test_paired_dact_end_to_end_matches_reference(kind, T, k, E, H, F, capacity_factor):
+    """The expert path with dA's paired tile (the product's choice at 128-row blocks on a
+    GPU): output and every gradient, the route weights' through dp_part's quarter columns."""
+    _end_to_end_matches_reference(
+        (kind, T, k, E, H, F), capacity_factor,
+        lambda base: base._replace(dact=base.dact.with_variant("pair")))
+    assert gl.LAST_PLAN["dact"].paired
+
+
 def _end_to_end_matches_reference(case, capacity_factor, configure):
     """permute_free_moe under configure(the CPU's tile_configs), poisoned scratch, against
     reference_moe: output and every gradient."""
