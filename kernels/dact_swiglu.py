@@ -73,7 +73,7 @@ def _dact_swiglu_tile(
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
-    ROUTE_MASK: tl.constexpr, HALVES: tl.constexpr,
+    ROUTE_MASK: tl.constexpr, PAIRED: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,7 +95,7 @@ def _dact_swiglu_tile(
 
     route = tl.load(slot_route_ptr + offs_m)
     route_ok = route < num_routes
-    if HALVES:
+    if PAIRED:
         # One [BM, 2 BN'] dot (BN' = BLOCK_N / 2, the config's block_n), rounded to the input
         # dtype at once (as the epilogue would), the epilogue then a [BM, BN' / 2] quarter at a
         # time, each writing its own dp_part column: the registers stay below a BN'-wide
@@ -144,7 +144,7 @@ def _dact_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
-    HALVES: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -163,7 +163,7 @@ def _dact_swiglu_kernel(
                 slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, HALVES)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PAIRED)
             if TAIL == 2:
                 _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                                 stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -179,7 +179,7 @@ def _dact_swiglu_kernel(
             slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, HALVES)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PAIRED)
         if TAIL == 2:
             _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                             stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -192,7 +192,7 @@ def _dact_swiglu_kernel(
 def dp_tiles(ffn: int, cfg: GemmConfig) -> int:
     """Columns of dact_swiglu's dp_part buffer: one a column tile, or with `paired` one an
     epilogue quarter of the 2 BN tile (BN / 2 columns)."""
-    return triton.cdiv(ffn, cfg.block_n // 2 if halves(ffn, cfg) else cfg.block_n)
+    return triton.cdiv(ffn, cfg.block_n // 2 if paired_tile(ffn, cfg) else cfg.block_n)
 
 
 def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
@@ -212,7 +212,7 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
                                act_out, dp_part_out, c, clamp))
 
 
-def halves(ffn: int, cfg: GemmConfig) -> bool:
+def paired_tile(ffn: int, cfg: GemmConfig) -> bool:
     """Whether cfg's `paired` applies to dact: a [BM, 2 BN] tile, its epilogue in four BN / 2
     quarters, where 2 BN divides F (so every one of dp_part's cdiv(F, BN / 2) columns is
     written)."""
@@ -223,7 +223,7 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
                  dp_part_out, cfg, clamp=None):
     num_tokens, hidden = dout_TH.shape
     ffn = w_down_EHF.shape[2]
-    paired = halves(ffn, cfg)
+    paired = paired_tile(ffn, cfg)
     # The kernel's tile: 2 BN wide when paired (no split tail then: its zero rows are written
     # per BN tile).
     tile = cfg._replace(block_n=2 * cfg.block_n, split_tail=False) if paired else cfg
@@ -247,7 +247,7 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            HALVES=paired, **cfg.launch_options(), **meta)
+            PAIRED=paired, **cfg.launch_options(), **meta)
 
     gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, tile, grid, live_list, meta, plan,
                                            w_down_EHF.shape[0], ffn, dout_TH.device

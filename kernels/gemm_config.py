@@ -41,9 +41,10 @@ tma.py and gemm_launch.py; the default is the pointer path with one program per 
   sustained-load ceiling", 2026-11-30).
 - `paired` (fc1_swiglu with `tma`, 2 BN <= 256): gate and up as one weight box; see
   fc1_swiglu.py. In dact_swiglu (where 2 BN divides F): a [BM, 2 BN] tile, one dot a K
-  step, its epilogue in two BN halves; see dact_swiglu.py.
+  step, its epilogue in BN / 2 quarters; see dact_swiglu.py.
 Every variant computes each output tile with the default's tile shape and K order, so on a GPU
-its results are bitwise equal to the default path's (the cuda tests check it). In the
+its results are bitwise equal to the default path's (the cuda tests check it); dact's paired
+tile writes dp_part in quarter columns, which sum in other groups (its dY1 and A are bitwise). In the
 interpreter too, except the transposed TMA weight tile of fc1 / fc2, which numpy's matmul sums
 in another order (equal to 1e-6), and the split tail's half-height tiles (likewise).
 """
@@ -102,7 +103,7 @@ class GemmConfig(NamedTuple):
     split_tail: bool = False
     # fc1_swiglu with TMA: gate and up weight tiles as one [2, BN, BK] box of w_gate_up seen
     # as [2E, F, H], one [BM, 2BN] dot a K step (2 * BN <= 256). dact_swiglu: a [BM, 2BN]
-    # tile, its epilogue in BN halves. Other kernels ignore it.
+    # tile, its epilogue in BN / 2 quarters. Other kernels ignore it.
     paired: bool = False
     # A register cap a thread (ptxas .maxnreg, Triton's `maxnreg`): at 128, two 8-warp CTAs
     # fit an SM's 64 K registers where their shared memory fits too. None: ptxas decides.

@@ -43,7 +43,7 @@ class Plan(NamedTuple):
     tail: bool = False  # a second launch of half-height tiles ran the experts' last blocks
     store_tma: bool = False  # FC1 wrote Y1 and A through TMA store descriptors
     paired: bool = False  # FC1: gate and up as one [2, BN, BK] box, one dot; dact: a
-    # [BM, 2 BN] tile, its epilogue in BN halves
+    # [BM, 2 BN] tile, its epilogue in BN / 2 quarters
 
 
 # The plan of the latest launch of each kernel ("fc1", "fc2"/"dx" by w_nk, "dact"), for tests

@@ -718,7 +718,7 @@ def _check_paired_dact(got, want, live, same):
 
 
 def test_dact_paired_needs_2bn_to_divide_f():
-    from moegraph_kernels.dact_swiglu import halves
+    from moegraph_kernels.dact_swiglu import paired_tile as halves
     cfg = _cfg(paired=True)
     assert halves(64, cfg) and halves(128, cfg)
     assert not halves(96, cfg) and not halves(32, cfg) and not halves(64, _cfg())
