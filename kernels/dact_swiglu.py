@@ -37,14 +37,19 @@ from .slot_schedule import (live_block_list, persistent_tile, program_tile,
 def _dact_epilogue(
     acc, offs_m, offs_n, pid_dp, row_ok, route, route_ok, y1_ptr, weights_ptr, dy1_ptr,
     act_ptr, dp_ptr, alpha, limit, ffn, stride_y1, stride_dy1, stride_act, stride_dp,
-    CLAMPED: tl.constexpr, ROUTE_MASK: tl.constexpr,
+    CLAMPED: tl.constexpr, ROUTE_MASK: tl.constexpr, slot_route_ptr=None, num_routes=0,
+    LOAD_ROUTE: tl.constexpr = False,
 ):
     """The SwiGLU backward of one [BM, BN] dA tile at columns offs_n: dY1, A and dp_part's
-    column pid_dp."""
+    column pid_dp. LOAD_ROUTE: the rows' routes are loaded here (the BN tile's one epilogue,
+    in the order it had before the paired tile), not passed in."""
     n_ok = offs_n < ffn
     # dA as autograd would hand it to the activation: rounded to the input dtype.
     da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
     rows = offs_m.to(tl.int64)[:, None]
+    if LOAD_ROUTE:
+        route = tl.load(slot_route_ptr + offs_m)
+        route_ok = route < num_routes
     # A padding slot has both sentinels, so route_ok == row_ok. ROUTE_MASK (the persistent
     # loop) masks by the route: row_ok, from the A-load's tokens, would then have to stay live
     # across the K loop in the epilogue's layout, once per pipeline stage, which spills.
@@ -93,9 +98,9 @@ def _dact_swiglu_tile(
         w_desc, expert * hidden, pid_n * BLOCK_N, 0,
         BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=USE_TMA, B_NK=False)
 
-    route = tl.load(slot_route_ptr + offs_m)
-    route_ok = route < num_routes
     if PAIRED:
+        route = tl.load(slot_route_ptr + offs_m)
+        route_ok = route < num_routes
         # One [BM, 2 BN'] dot (BN' = BLOCK_N / 2, the config's block_n), rounded to the input
         # dtype at once (as the epilogue would), the epilogue then a [BM, BN' / 2] quarter at a
         # time, each writing its own dp_part column: the registers stay below a BN'-wide
@@ -119,9 +124,10 @@ def _dact_swiglu_tile(
                        y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
                        stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
     else:
-        _dact_epilogue(acc, offs_m, offs_n, pid_n, row_ok, route, route_ok, y1_ptr,
+        _dact_epilogue(acc, offs_m, offs_n, pid_n, row_ok, row_ok, row_ok, y1_ptr,
                        weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
-                       stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
+                       stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
+                       slot_route_ptr, num_routes, True)
 
 
 @triton.jit
