@@ -1,0 +1,170 @@
+"""What an expert kernel compiles to on a Hopper GPU, asked on any machine: Triton's NVIDIA
+backend lowers it for sm_90 without a GPU, ptxas reports its registers and spills, and the
+TTGIR its shared-memory buffers (how deep the pipeline is). A tile or variant can be judged
+this far before any device time is spent on it, and a pipeliner failure shows up as its error.
+
+    python3 benchmarks/compile_report.py KERNEL [--spec SPEC ...] [--tokens 8192] [--json]
+        [--out PATH]
+
+KERNEL: dact, wgrad_down or wgrad_gate_up, at the Qwen3 expert shape (E = 128, k = 8,
+H = 2048, F = 768, bf16). SPEC is tiles_ab.py's spelling of a config, applied to the product's
+own for that T (moe/experts.tile_configs): `128x128x64x8x8x3` (a tile), `+tma+persistent` (a
+variant) or both; the launcher's rules then pick the constexprs (dact's paired tile, dW's
+padded loop, its TMA operands and store). Each line (or the --json document) gives the
+Triton version, shared memory, registers a thread, spill bytes (stores, from ptxas -v) and
+the shared buffers as shape x dtype; --spec repeats (an empty one is the product's), and
+--out writes every record into one results document (common.environment: no GPU, the torch
+and Triton versions, the commit, the date). Needs the Triton wheel's NVIDIA backend (ptxas),
+no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+E, TOP_K, H, F = 128, 8, 2048, 768
+KERNELS = ("dact", "wgrad_down", "wgrad_gate_up")
+ROUTE_PTRS = ("slot_token_ptr", "slot_route_ptr", "block_expert_ptr", "live_list_ptr",
+              "expert_counts_ptr", "expert_starts_ptr", "expert_start_ptr",
+              "expert_count_ptr")
+
+
+def product_config(kernel: str, tokens: int):
+    import torch
+    from moegraph_cli.moe.experts import tile_configs
+    cfgs = tile_configs(tokens * TOP_K, E, H, F, torch.device("cuda"))
+    return cfgs, getattr(cfgs, kernel)
+
+
+def dact_source(cfg, route_block: int):
+    """(ASTSource, warps, stages) of dact_swiglu's launch under cfg (dact_swiglu._dact_swiglu's
+    rules: the paired tile 2 BN wide; TMA weights where H divides by BK)."""
+    from moegraph_kernels.dact_swiglu import _dact_swiglu_kernel as fn
+    from moegraph_kernels.dact_swiglu import paired_tile
+    paired = paired_tile(F, cfg)
+    bn = 2 * cfg.block_n if paired else cfg.block_n
+    use_tma = cfg.tma and H % cfg.block_k == 0
+    consts = dict(ROUTE_BLOCK=route_block, BLOCK_M=cfg.block_m, BLOCK_N=bn,
+                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=H % cfg.block_k == 0,
+                  EVEN_N=F % bn == 0, USE_TMA=use_tma, PERSISTENT=cfg.persistent,
+                  FLATTEN=cfg.persistent and cfg.flatten, LIST_CHUNK=1024, CLAMPED=False,
+                  TAIL=0, PAIRED=paired)
+    types = {"dp_ptr": "*fp32", "alpha": "fp32", "limit": "fp32",
+             "w_desc": f"tensordesc<bf16[{cfg.block_k}, {bn}]>" if use_tma else "*bf16"}
+    return _source(fn, consts, types, odd=("num_experts",)), cfg
+
+
+def wgrad_source(cfg, down: bool, route_block: int):
+    """The same for expert_wgrad (wgrad.expert_wgrad's rules: the padded loop where BK divides
+    the route block, the slot-order operand by TMA, the tile by a TMA store)."""
+    from moegraph_kernels.wgrad import _expert_wgrad_kernel as fn
+    padded = route_block % cfg.block_k == 0
+    l_tma = padded and cfg.tma and not down
+    r_tma = padded and cfg.tma and down
+    consts = dict(GATHER_L=down, GATHER_R=not down, ACCUMULATE=False, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  PADDED=padded, L_TMA=l_tma, R_TMA=r_tma, OUT_TMA=cfg.store_tma,
+                  PERSISTENT=cfg.persistent)
+    types = {"l_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_m}]>" if l_tma else "*bf16",
+             "r_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_n}]>" if r_tma else "*bf16",
+             "dw_desc": (f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>" if cfg.store_tma
+                         else "*bf16")}
+    return _source(fn, consts, types), cfg
+
+
+def _source(fn, consts: dict, types: dict, odd=()):
+    """An ASTSource over fn's arguments: pointers bf16 (route lists int32) unless `types`
+    says otherwise, other scalars int32; every pointer and int (but `odd`) 16-divisible, as
+    the launch's own specialization would find them."""
+    from triton.compiler import ASTSource
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name) or ("*i32" if name in ROUTE_PTRS else
+                                        "*bf16" if name.endswith("_ptr") else "i32")
+        if sig[name] in ("*bf16", "*i32", "*fp32", "i32") and name not in odd:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
+                                          for k, v in consts.items()}, attrs=attrs)
+
+
+def report(src, cfg) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    out = {"triton": triton.__version__, "arch": "sm_90a", "tile": list(cfg[:6]),
+           "variant": cfg.variant}
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    except Exception as exc:  # noqa: BLE001 - a config that does not compile: its first line
+        lines = [ln for ln in str(exc).splitlines() if "error:" in ln] or str(exc).splitlines()
+        return {**out, "error": f"{type(exc).__name__}: {lines[0].strip()[:300] if lines else ''}"}
+    out["shared_bytes"] = k.metadata.shared
+    out["buffers"] = [f"{shape} {dtype}" for shape, dtype in re.findall(
+        r"ttg\.local_alloc[^:\n]*: \(\) -> !ttg\.memdesc<([0-9x]+)x(\w+)", k.asm["ttgir"])]
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path  # the one Triton itself assembles sm_90 with
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"compile_report_{os.getpid()}.ptx")
+    with open(path, "w") as fh:
+        fh.write(k.asm["ptx"])
+    try:
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                              capture_output=True, text=True, check=False).stderr
+    finally:
+        os.unlink(path)
+    regs = re.findall(r"Used (\d+) registers", info)
+    spills = re.findall(r"(\d+) bytes spill stores", info)
+    out["registers"] = int(regs[-1]) if regs else None
+    out["spill_store_bytes"] = int(spills[-1]) if spills else None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel", choices=KERNELS)
+    ap.add_argument("--spec", action="append", default=None,
+                    help="tiles_ab.py's SPEC (repeatable; '' or none: the product's)")
+    ap.add_argument("--tokens", type=int, default=8192, help="T, which sets the product's tile")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, help="write the records into one JSON document")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("benchmarks/compile_report.py: unset TRITON_INTERPRET (it compiles for a GPU)")
+    if args.tokens < 1:
+        ap.error("--tokens must be at least 1")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import environment, write_json
+    from tiles_ab import parse_spec
+    cfgs, product = product_config(args.kernel, args.tokens)
+    try:
+        configs = [(spec, parse_spec(spec, product) if spec else product)
+                   for spec in args.spec or [""]]
+    except ValueError as exc:
+        ap.error(str(exc))
+    records = []
+    for spec, cfg in configs:
+        if args.kernel == "dact":
+            src, cfg = dact_source(cfg, cfgs.route_block)
+        else:
+            src, cfg = wgrad_source(cfg, args.kernel == "wgrad_down", cfgs.route_block)
+        rec = {"kernel": args.kernel, "tokens": args.tokens, "spec": spec, **report(src, cfg)}
+        records.append(rec)
+        print(json.dumps(rec) if args.json else " ".join(f"{k}={v}" for k, v in rec.items()),
+              flush=True)
+    if args.out:  # the Triton imported (PYTHONPATH may hold another than the installed one)
+        import triton
+        write_json(args.out, {"benchmark": "compile_report", **environment(device=False),
+                              "triton": triton.__version__, "records": records})
+    sys.exit(1 if any("error" in r for r in records) else 0)
+
+
+if __name__ == "__main__":
+    main()
