@@ -39,6 +39,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from moegraph_kernels.env import flag_from_env
+
 from ..config import Profile
 from ..report.summary import DTYPE_BYTES, layer_shapes
 
@@ -88,6 +90,16 @@ def route_block(num_routes: int, num_experts: int, device_type: str) -> int:
     if device_type != "cuda":
         return 16
     return 128 if num_routes >= 256 * num_experts else 64
+
+
+def dp_part_bytes(slots: int, ffn: int, block: int, device_type: str) -> int:
+    """dA's dp_part [S, columns] fp32: one column a 128-wide tile, or, where
+    moe/experts.tile_configs picks dA's paired tile (a GPU, 128-row blocks, 256 dividing F,
+    MOEGRAPH_DACT_PAIRED not 0), one a 64-column quarter (kernels/dact_swiglu.dp_tiles; a test
+    keeps them equal)."""
+    paired = (device_type == "cuda" and block >= 128 and ffn % 256 == 0
+              and flag_from_env("MOEGRAPH_DACT_PAIRED", True))
+    return 4 * slots * (ffn // 64 if paired else max(1, ffn // 128))
 
 
 def expert_slots(num_tokens: int, top_k: int, num_experts: int, block: int,
@@ -253,7 +265,7 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         # FC2 writes Y2 beside the activation; the activation is freed before the combine's
         # output [T, H] is allocated, which takes its block where it fits.
         routed = max((2 * b if fused else 4 + b) * T * H, y2 + max(act, tok))
-        dp_part = 4 * S * max(1, F // 128)
+        dp_part = dp_part_bytes(S, F, block, device_type)
         # dY1 throughout; beside it first the activation (FC2's dW) and dp's partials, then
         # the slots' dX with its combine and the router's and the residual's [T, H] grads.
         bwd = params + b * S * 2 * F + max(act + dp_part, y2 + 3 * tok) + 4 * T * E

@@ -13,8 +13,8 @@ import torch
 from moegraph_cli.config import load_profile
 from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.plan.memory import step_model
-from moegraph_cli.plan.scope_memory import (ScopeMemory, attn_memory, expert_slots, moe_memory,
-                                            route_block)
+from moegraph_cli.plan.scope_memory import (ScopeMemory, attn_memory, dp_part_bytes,
+                                            expert_slots, moe_memory, route_block)
 from moegraph_cli.plan.simulation import (MEDIUM_SEGMENT, MEDIUM_SEGMENTS_PER_POOL, StepModel,
                                           scope_refs)
 
@@ -72,6 +72,23 @@ def test_scope_io_logits_and_saved_of_tiny_by_hand(monkeypatch):
     live = stream + 2 * (a.saved + m.saved) + norm_tail + 65_536_000 + 12 * T
     assert p.eager_phase_peak == model.static["total"] + int((live + stream) * 1.05) \
         + model.runtime + DEFAULT_POOL_SLACK
+
+
+@pytest.mark.parametrize("paired", ["0", "1"])
+def test_dp_part_formula_matches_the_kernels(paired, monkeypatch):
+    """dp_part's bytes as the planner counts them, against the buffer moe/experts allocates
+    on a GPU (kernels/dact_swiglu.dp_tiles under tile_configs' dA choice; the planner models
+    GPU memory only)."""
+    import moegraph_kernels.gemm_config as gc
+    from moegraph_cli.moe.experts import tile_configs
+    from moegraph_kernels.dact_swiglu import dp_tiles
+    monkeypatch.setenv("MOEGRAPH_DACT_PAIRED", paired)
+    monkeypatch.setattr(gc, "DACT_PAIRED", paired == "1")
+    for routes, experts, ffn in [(65536, 128, 768), (8192, 128, 768), (2048, 8, 256),
+                                 (65536, 128, 1408), (4096, 16, 1024)]:
+        cfg = tile_configs(routes, experts, 2048, ffn, torch.device("cuda"))
+        block = route_block(routes, experts, "cuda")
+        assert dp_part_bytes(1000, ffn, block, "cuda") == 4 * 1000 * dp_tiles(ffn, cfg.dact)
 
 
 def test_slot_formula_matches_the_kernels():
