@@ -44,9 +44,10 @@ tma.py and gemm_launch.py; the default is the pointer path with one program per 
   step, its epilogue in BN / 2 quarters; see dact_swiglu.py.
 Every variant computes each output tile with the default's tile shape and K order, so on a GPU
 its results are bitwise equal to the default path's (the cuda tests check it); dact's paired
-tile writes dp_part in quarter columns, which sum in other groups (its dY1 and A are bitwise). In the
-interpreter too, except the transposed TMA weight tile of fc1 / fc2, which numpy's matmul sums
-in another order (equal to 1e-6), and the split tail's half-height tiles (likewise).
+tile writes dp_part in quarter columns, which sum in other groups (its dY1 and A are
+bitwise). In the interpreter too, except the transposed TMA weight tile of fc1 / fc2, which
+numpy's matmul sums in another order (equal to 1e-6), and the split tail's half-height tiles
+(likewise).
 """
 
 from __future__ import annotations

@@ -125,7 +125,9 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     # quarter at a time (dact_swiglu.py): benchmarks/tiles_ab.py on the H200, the whole
     # expert fwd+bwd 0.986 / 0.979 of the 128 x 128 tile's at T = 8192 (uniform / skewed) and
     # 0.991 / 1.000 at 32768, its twin 1.013 / 1.008 / 0.999 / 1.008
-    # (results/tiles_ab_dact_quarters.json); dY1 and A bitwise the same, dp_part in quarters.
+    # (results/tiles_ab_dact_quarters.json); in a second run the 128 x 128 tile 0.996 / 1.016
+    # / 1.036 / 1.032 of it (tiles_ab_dact_paired_default.json); the loaded step moved inside
+    # its spread. dY1 and A bitwise the same, dp_part in quarters.
     dact = cfg.dact
     if gemm_config.DACT_PAIRED and block >= 128:
         dact = dact._replace(num_stages=3).with_variant("pair")
