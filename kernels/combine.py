@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .env import ints_from_env
+from .fp_fusion import FUSED
 
 
 # A tile chosen by benchmarks/combine_sweep.py, (block_t, block_h, warps): from
@@ -58,5 +59,6 @@ def gather_combine(src_SH: torch.Tensor, token_slots_TK: torch.Tensor,
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     _gather_combine_kernel[grid](
         src_SH, token_slots_TK, out_TH, num_tokens, hidden, src_SH.stride(0), out_TH.stride(0),
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps,
+        enable_fp_fusion=FUSED)
     return out_TH

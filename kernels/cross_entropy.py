@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp_fusion import FUSED
+
 REF_CHUNK_ELEMS = 1 << 22  # 16 MB of fp32 per row chunk in the pure-torch path
 # The forward on a GPU, rows longer than FWD_CHUNK: FWD_CHUNK columns a program, FWD_CHUNK_BLOCK
 # columns a step at FWD_CHUNK_WARPS warps. H200, logits [16384, 151936] bf16
@@ -191,7 +193,7 @@ def cross_entropy_forward(logits_TV: torch.Tensor, labels_T: torch.Tensor,
     if chunk is None or chunk >= vocab:
         _ce_fwd_kernel[(num_rows,)](
             logits_TV, labels_T, lse_T, loss_T, vocab, logits_TV.stride(0), ignore_index,
-            BLOCK_V=block, num_warps=warps)
+            BLOCK_V=block, num_warps=warps, enable_fp_fusion=FUSED)
         return lse_T, loss_T
     if chunk % block:
         raise ValueError(f"cross_entropy: chunk {chunk} is not a multiple of the block {block}")
@@ -200,12 +202,13 @@ def cross_entropy_forward(logits_TV: torch.Tensor, labels_T: torch.Tensor,
                        device=logits_TV.device)
     _ce_fwd_chunk_kernel[(num_rows, num_chunks)](
         logits_TV, labels_T, part, vocab, logits_TV.stride(0), ignore_index, chunk,
-        BLOCK_V=block, num_warps=warps)
+        BLOCK_V=block, num_warps=warps, enable_fp_fusion=FUSED)
     block_r = 64
     _ce_fwd_combine_kernel[(triton.cdiv(num_rows, block_r),)](
         logits_TV, labels_T, part, lse_T, loss_T, num_rows, vocab, logits_TV.stride(0),
         ignore_index, NUM_CHUNKS=num_chunks, BLOCK_R=block_r,
-        BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4)
+        BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4,
+        enable_fp_fusion=FUSED)
     return lse_T, loss_T
 
 
@@ -233,7 +236,8 @@ def cross_entropy_backward(logits_TV: torch.Tensor, labels_T: torch.Tensor, lse_
     _ce_bwd_kernel[grid](
         logits_TV, out_TV, labels_T.contiguous(), lse_T, grad_loss, n_valid,
         vocab, logits_TV.stride(0), out_TV.stride(0), ignore_index,
-        BLOCK_V=block, num_warps=num_warps or (8 if block > 2048 else 4))
+        BLOCK_V=block, num_warps=num_warps or (8 if block > 2048 else 4),
+        enable_fp_fusion=FUSED)
     return out_TV
 
 

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp_fusion import FUSED
+
 
 @triton.jit
 def _embedding_rows_kernel(
@@ -85,7 +87,7 @@ def embedding_backward_into(dy_TH: torch.Tensor, ids_T: torch.Tensor, out_VH: to
     _embedding_rows_kernel[grid](
         dy_TH, sorted_ids, order, out_VH, num_tokens, hidden, dy_TH.stride(0),
         out_VH.stride(0), ACCUMULATE=accumulate, UNROLL=unroll, BLOCK_H=block_h,
-        num_warps=warps)
+        num_warps=warps, enable_fp_fusion=FUSED)
     return out_VH
 
 

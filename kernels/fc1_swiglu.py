@@ -30,6 +30,7 @@ import triton.language as tl
 from . import gemm_config as gc
 from . import gemm_launch as gl
 from . import tma
+from .fp_fusion import FUSED
 from .gated_act import gated_forward
 from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, fc1_config
@@ -206,7 +207,8 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
             CLAMPED=clamp is not None, TAIL=tail, Y_TMA=y_tma, PAIRED=paired,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=FUSED, **meta)
 
     plan = plan._replace(store_tma=_fc1_store_tma(cfg, w_desc is not None, ffn, y1_out, act_out),
                          paired=paired)

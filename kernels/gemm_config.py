@@ -57,6 +57,7 @@ from typing import NamedTuple
 import torch
 
 from .env import flag_from_env, ints_from_env
+from .fp_fusion import FUSED
 from .route_align import RouteList
 
 # Persistent launches list the live M blocks LIST_CHUNK blocks at a time (LIST_CHUNK_WS when
@@ -113,8 +114,10 @@ class GemmConfig(NamedTuple):
     store_tma: bool = False
 
     def launch_options(self) -> dict:
-        """The launch keywords of the tile: warps, stages, and the register cap if set."""
-        out = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        """The launch keywords of the tile: warps, stages, contraction (fp_fusion.py), and
+        the register cap if set."""
+        out = {"num_warps": self.num_warps, "num_stages": self.num_stages,
+               "enable_fp_fusion": FUSED}
         if self.maxnreg is not None:
             out["maxnreg"] = self.maxnreg
         return out

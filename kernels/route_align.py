@@ -58,6 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp_fusion import FUSED
+
 IMPLS = ("auto", "triton", "reference")
 
 
@@ -309,10 +311,11 @@ def _count(ids_N, keep_N, has_keep: bool, num_experts: int):
     expert_counts = torch.empty(num_experts, dtype=torch.int32, device=ids_N.device)
     _chunk_counts_kernel[(num_chunks,)](
         ids_N, keep_N, chunk_counts, num_routes, num_experts,
-        HAS_KEEP=has_keep, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps)
+        HAS_KEEP=has_keep, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
+        enable_fp_fusion=FUSED)
     _chunk_bases_kernel[(triton.cdiv(num_experts, block_eg),)](
         chunk_counts, expert_counts, num_chunks, num_experts,
-        BLOCK_C=block_c, BLOCK_EG=block_eg, num_warps=warps)
+        BLOCK_C=block_c, BLOCK_EG=block_eg, num_warps=warps, enable_fp_fusion=FUSED)
     return chunk_counts, expert_counts
 
 
@@ -352,11 +355,12 @@ def _build_route_list_triton(topk_ids_TK, num_experts, block_m, keep_TK, capacit
         expert_counts, expert_starts, block_expert, slot_token, slot_route, num_padded,
         num_dropped, num_blocks, num_experts, num_tokens, num_routes, block_m, seg_capacity,
         CAPACITY=capacity is not None, BLOCK_B=block_b,
-        BLOCK_M=triton.next_power_of_2(block_m), BLOCK_E=block_e, num_warps=warps)
+        BLOCK_M=triton.next_power_of_2(block_m), BLOCK_E=block_e, num_warps=warps,
+        enable_fp_fusion=FUSED)
     _place_routes_kernel[(num_chunks,)](
         ids_N, keep_N, chunk_counts, expert_starts, slot_token, slot_route, token_slots,
         num_routes, num_experts, S, top_k,
-        HAS_KEEP=has_keep, BLOCK_N=block_n, num_warps=warps)
+        HAS_KEEP=has_keep, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=FUSED)
 
     return RouteList(
         slot_token=slot_token,

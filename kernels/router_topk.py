@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp_fusion import FUSED
+
 MAX_E = 1024
 TILE_ELEMS = 4096  # rows x next_power_of_2(E) per program
 
@@ -64,7 +66,8 @@ def topk_ids(x_TE: torch.Tensor, k: int, out: torch.Tensor | None = None) -> tor
     block_e = triton.next_power_of_2(E)
     block_r = max(1, min(TILE_ELEMS // block_e, 64))
     _topk_ids_kernel[(triton.cdiv(T, block_r),)](
-        x_TE, out, T, E, x_TE.stride(0), K=k, BLOCK_R=block_r, BLOCK_E=block_e, num_warps=4)
+        x_TE, out, T, E, x_TE.stride(0), K=k, BLOCK_R=block_r, BLOCK_E=block_e, num_warps=4,
+        enable_fp_fusion=FUSED)
     return out
 
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from . import gemm_launch as gl
 from . import tma
+from .fp_fusion import FUSED
 from .gemm_config import GemmConfig, slot_gemm_config
 from .route_align import RouteList
 from .slot_schedule import live_block_list, persistent_tile, program_tile, store_zero_rows
@@ -191,7 +192,8 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=N
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k_dim % cfg.block_k == 0,
             EVEN_N=n % cfg.block_n == 0, WARP_SPECIALIZE=plan.warp_specialize and tail != 2,
-            TAIL=tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+            TAIL=tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=FUSED, **meta)
 
     gl.LAST_PLAN["fc2" if w_nk else "dx"] = gl.launch_split(launch, routes, cfg, grid,
                                                             live_list, meta, plan,

@@ -46,6 +46,7 @@ import triton.language as tl
 from . import gemm_launch as gl
 from . import tma
 from .env import flag_from_env
+from .fp_fusion import FUSED
 from .gemm_config import GemmConfig, tile_from_env
 from .route_align import RouteList
 from .slot_schedule import grouped_pid
@@ -350,5 +351,5 @@ def expert_bias_grad(r_rows, routes: RouteList, out_EN, gather_r: bool,
         routes.slot_route, routes.expert_starts, routes.expert_counts,
         n, topk_weights_N.numel() if scale else 0, r_rows.stride(0), out_EN.stride(0),
         GATHER_R=gather_r, SCALE_BY_P=scale, ACCUMULATE=accumulate, BLOCK_S=block_s,
-        BLOCK_N=block_n, num_warps=warps)
+        BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=FUSED)
     return out_EN

@@ -131,8 +131,9 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     # a register cap: named rN, a launch keyword only when set
     capped = cfg.with_variant("tma+r128")
     assert capped.maxnreg == 128 and capped.variant == "tma+r128"
-    assert capped.launch_options() == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
-    assert cfg.launch_options() == {"num_warps": 8, "num_stages": 3}
+    assert capped.launch_options() == {"num_warps": 8, "num_stages": 3, "maxnreg": 128,
+                                       "enable_fp_fusion": True}
+    assert cfg.launch_options() == {"num_warps": 8, "num_stages": 3, "enable_fp_fusion": True}
     with pytest.raises(ValueError, match="one rN"):
         cfg.with_variant("r128+r96")
     # the product's choice (moe/experts.tile_configs), measured on the H200
