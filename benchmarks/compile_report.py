@@ -1,21 +1,25 @@
 """What an expert kernel compiles to on a Hopper GPU, asked on any machine: Triton's NVIDIA
 backend lowers it for sm_90 without a GPU, ptxas reports its registers and spills, and the
 TTGIR its shared-memory buffers (how deep the pipeline is). A tile or variant can be judged
-this far before any device time is spent on it, and a pipeliner failure shows up as its error.
+this far before any device time is spent on it, a pipeliner failure shows up as its error, and
+a Triton release that can no longer build one of the product's kernels for Hopper (where the
+launcher would warn and fall back to the pointer path) is seen without a GPU.
 
-    python3 benchmarks/compile_report.py KERNEL [--spec SPEC ...] [--tokens 8192] [--json]
-        [--out PATH]
+    python3 benchmarks/compile_report.py KERNEL [--spec SPEC ...] [--tokens 8192[,T...]]
+        [--json] [--out PATH]
 
-KERNEL: dact, wgrad_down or wgrad_gate_up, at the Qwen3 expert shape (E = 128, k = 8,
-H = 2048, F = 768, bf16). SPEC is tiles_ab.py's spelling of a config, applied to the product's
-own for that T (moe/experts.tile_configs): `128x128x64x8x8x3` (a tile), `+tma+persistent` (a
-variant) or both; the launcher's rules then pick the constexprs (dact's paired tile, dW's
-padded loop, its TMA operands and store). Each line (or the --json document) gives the
-Triton version, shared memory, registers a thread, spill bytes (stores, from ptxas -v) and
-the shared buffers as shape x dtype; --spec repeats (an empty one is the product's), and
---out writes every record into one results document (common.environment: no GPU, the torch
-and Triton versions, the commit, the date). Needs the Triton wheel's NVIDIA backend (ptxas),
-no GPU.
+KERNEL: fc1, fc2, dx, dact, wgrad_down, wgrad_gate_up, or `all` (each of them at the
+product's config), at the Qwen3 expert shape (E = 128, k = 8, H = 2048, F = 768, bf16). SPEC
+is tiles_ab.py's spelling of a config, applied to the product's own for that T
+(moe/experts.tile_configs): `128x128x64x8x8x3` (a tile), `+tma+persistent` (a variant) or
+both; the launcher's rules then pick the constexprs (FC1's paired box, dact's paired tile,
+dW's padded loop, its TMA operands and store), as on a Hopper GPU. Each line (or the --json
+document) gives the Triton version, shared memory, registers a thread, spill bytes (stores,
+from ptxas -v) and the shared buffers as shape x dtype; --spec repeats (an empty one is the
+product's), --tokens takes a list, and --out writes every record into one results document
+(common.environment: no GPU, the torch and Triton versions, the commit, the date). The
+compile takes the product's launch keywords (GemmConfig.launch_options). Needs the Triton
+wheel's NVIDIA backend (ptxas), no GPU. Exit 1 when any config fails to compile.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import subprocess
 import sys
 
 E, TOP_K, H, F = 128, 8, 2048, 768
-KERNELS = ("dact", "wgrad_down", "wgrad_gate_up")
+KERNELS = ("fc1", "fc2", "dx", "dact", "wgrad_down", "wgrad_gate_up")
 ROUTE_PTRS = ("slot_token_ptr", "slot_route_ptr", "block_expert_ptr", "live_list_ptr",
               "expert_counts_ptr", "expert_starts_ptr", "expert_start_ptr",
               "expert_count_ptr")
@@ -39,6 +43,51 @@ def product_config(kernel: str, tokens: int):
     from moegraph_cli.moe.experts import tile_configs
     cfgs = tile_configs(tokens * TOP_K, E, H, F, torch.device("cuda"))
     return cfgs, getattr(cfgs, kernel)
+
+
+def fc1_source(cfg, route_block: int):
+    """(ASTSource, cfg) of fc1_swiglu's launch under cfg (fc1_swiglu._fc1_swiglu's rules on a
+    Hopper GPU: TMA weights, as one [2, BN, BK] gate/up box where paired and 2 BN <= 256;
+    Y1 and A by TMA stores only under MOEGRAPH_FC1_TMA_STORE)."""
+    from moegraph_kernels import gemm_config as gc
+    from moegraph_kernels.fc1_swiglu import _fc1_swiglu_kernel as fn
+    paired = cfg.tma and cfg.paired and 2 * cfg.block_n <= 256
+    y_tma = gc.FC1_TMA_STORE and cfg.tma and F % cfg.block_n == 0
+    consts = dict(ROUTE_BLOCK=route_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=H % cfg.block_k == 0,
+                  EVEN_N=F % cfg.block_n == 0, HAS_BIAS=False, CLAMPED=False, TAIL=0,
+                  Y_TMA=y_tma, PAIRED=paired, **_meta(cfg))
+    box = (f"tensordesc<bf16[2, {cfg.block_n}, {cfg.block_k}]>" if paired else
+           f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>")
+    store = f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>" if y_tma else "*bf16"
+    types = {"alpha": "fp32", "limit": "fp32", "w_desc": box if cfg.tma else "*bf16",
+             "y1_desc": store, "act_desc": store}
+    return _source(fn, consts, types, odd=("num_experts",)), cfg
+
+
+def slot_gemm_source(cfg, route_block: int, w_nk: bool):
+    """The same for slot_gemm: FC2 (w_nk: A [S, F] @ w_down [E, H, F]^T) or dX (dY1 [S, 2F]
+    @ w_gate_up [E, 2F, H]); TMA for both operands where the K rule allows it."""
+    from moegraph_kernels.slot_gemm import _slot_gemm_kernel as fn
+    n, k = (H, F) if w_nk else (H, 2 * F)
+    use_tma = cfg.tma and (w_nk or k % cfg.block_k == 0)
+    consts = dict(W_NK=w_nk, ROUTE_BLOCK=route_block, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
+                  WARP_SPECIALIZE=False, HAS_BIAS=False, TAIL=0,
+                  **_meta(cfg._replace(tma=use_tma)))
+    w_box = [cfg.block_n, cfg.block_k] if w_nk else [cfg.block_k, cfg.block_n]
+    types = {"a_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>" if use_tma
+             else "*bf16",
+             "w_desc": f"tensordesc<bf16[{w_box[0]}, {w_box[1]}]>" if use_tma else "*bf16"}
+    return _source(fn, consts, types, odd=("num_experts",)), cfg
+
+
+def _meta(cfg) -> dict:
+    """gemm_launch.build_plan's variant constexprs on a Hopper GPU (warp specialization
+    off: gemm_config.WARP_SPECIALIZE_ENABLED)."""
+    return dict(USE_TMA=cfg.tma, PERSISTENT=cfg.persistent,
+                FLATTEN=cfg.persistent and cfg.flatten, LIST_CHUNK=1024)
 
 
 def dact_source(cfg, route_block: int):
@@ -95,6 +144,17 @@ def _source(fn, consts: dict, types: dict, odd=()):
                                           for k, v in consts.items()}, attrs=attrs)
 
 
+def kernel_source(kernel: str, cfg, route_block: int):
+    """(ASTSource, the config the launch runs) of KERNEL under cfg."""
+    if kernel == "fc1":
+        return fc1_source(cfg, route_block)
+    if kernel in ("fc2", "dx"):
+        return slot_gemm_source(cfg, route_block, kernel == "fc2")
+    if kernel == "dact":
+        return dact_source(cfg, route_block)
+    return wgrad_source(cfg, kernel == "wgrad_down", route_block)
+
+
 def report(src, cfg) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -102,7 +162,7 @@ def report(src, cfg) -> dict:
            "variant": cfg.variant}
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                           options=cfg.launch_options())  # the product's launch keywords
     except Exception as exc:  # noqa: BLE001 - a config that does not compile: its first line
         lines = [ln for ln in str(exc).splitlines() if "error:" in ln] or str(exc).splitlines()
         return {**out, "error": f"{type(exc).__name__}: {lines[0].strip()[:300] if lines else ''}"}
@@ -126,36 +186,49 @@ def report(src, cfg) -> dict:
     return out
 
 
+def _tokens(text: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want T[,T...], each at least 1")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=KERNELS)
+    ap.add_argument("kernel", choices=(*KERNELS, "all"))
     ap.add_argument("--spec", action="append", default=None,
                     help="tiles_ab.py's SPEC (repeatable; '' or none: the product's)")
-    ap.add_argument("--tokens", type=int, default=8192, help="T, which sets the product's tile")
+    ap.add_argument("--tokens", type=_tokens, default=[8192],
+                    help="T[,T...], each setting the product's tiles (default 8192)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="write the records into one JSON document")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("benchmarks/compile_report.py: unset TRITON_INTERPRET (it compiles for a GPU)")
-    if args.tokens < 1:
-        ap.error("--tokens must be at least 1")
+    kernels = KERNELS if args.kernel == "all" else (args.kernel,)
+    if args.kernel == "all" and any(args.spec or []):
+        ap.error("--spec applies to one KERNEL, not all")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import environment, write_json
     from tiles_ab import parse_spec
-    cfgs, product = product_config(args.kernel, args.tokens)
-    try:
-        configs = [(spec, parse_spec(spec, product) if spec else product)
-                   for spec in args.spec or [""]]
-    except ValueError as exc:
-        ap.error(str(exc))
+    jobs = []
+    for tokens in args.tokens:
+        for kernel in kernels:
+            cfgs, product = product_config(kernel, tokens)
+            try:
+                jobs += [(kernel, tokens, cfgs.route_block, spec,
+                          parse_spec(spec, product) if spec else product)
+                         for spec in args.spec or [""]]
+            except ValueError as exc:
+                ap.error(str(exc))
     records = []
-    for spec, cfg in configs:
-        if args.kernel == "dact":
-            src, cfg = dact_source(cfg, cfgs.route_block)
-        else:
-            src, cfg = wgrad_source(cfg, args.kernel == "wgrad_down", cfgs.route_block)
-        rec = {"kernel": args.kernel, "tokens": args.tokens, "spec": spec, **report(src, cfg)}
+    for kernel, tokens, route_block, spec, cfg in jobs:
+        src, cfg = kernel_source(kernel, cfg, route_block)
+        rec = {"kernel": kernel, "tokens": tokens, "spec": spec, **report(src, cfg)}
         records.append(rec)
         print(json.dumps(rec) if args.json else " ".join(f"{k}={v}" for k, v in rec.items()),
               flush=True)
