@@ -7,8 +7,13 @@ materialised (seeded, or read from a checkpoint slice by slice).
   - N > E: FSDP2-sharded over those N / E ranks (weights, gradients and AdamW states), in the
     decoder layer's FSDP unit but on the dp mesh (a second parameter group of the unit:
     `shard_placement_fn` with a per-parameter mesh, as torchtitan does), so per-rank expert
-    memory falls as replicas are added. With E == 1 the dp mesh is the whole world: the
-    experts simply join the layer's one parameter group. Sharded experts are DTensors, hence
+    memory falls as replicas are added. On dim 0 (whole experts) where the replicas divide
+    the rank's experts, else on dim 1 (the same rows of every expert) where they divide each
+    stack's rows (layout.expert_shard_dim; torchtitan likewise takes Shard(1) past one expert
+    a replica): with dim 0 alone a replica past the local experts would hold only padding,
+    and per-rank expert memory would stop falling at one expert a layer. With E == 1 the dp
+    mesh is the whole world: the experts simply join the layer's one parameter group (their
+    placement then only names the dim). Sharded experts are DTensors, hence
     "moving" parameters of the moe graphs (harness.build_session), and never gradient sinks
     (the trainer marks none): their gradients leave through autograd into the unsharded
     `.grad` that FSDP2's post-backward reduce-scatters. A rank whose experts received no
@@ -39,10 +44,12 @@ materialised (seeded, or read from a checkpoint slice by slice).
   gradients' all-reduce. Per rank and step, with r replicas, the all-reduce moves 2 (r-1)/r
   of the fp32 gradients; sharding moves (r-1)/r of them (reduce-scatter) plus twice (r-1)/r
   of the weights in the run dtype (the two all-gathers).
-- Loading: the local shard of a sharded expert stack is a contiguous range of global experts
+- Loading: the local shard of a stack sharded on dim 0 is a contiguous range of global experts
   (its dim-0 chunk of the EP rank's experts), the same range for every stack, so
   `seeded_init_` and `load_local_` fill it as a plain local expert stack of that range
-  (`_expert_shards_as_stacks`).
+  (`_expert_shards_as_stacks`). A stack sharded on dim 1 is filled whole, one layer's stacks
+  at a time (a transient of that layer's local experts), and this rank's rows copied into
+  its shard (`_rows_staged`): the values are the one-process model's either way.
 """
 
 from __future__ import annotations
@@ -58,7 +65,9 @@ from torch.distributed.tensor import DTensor, Shard
 from ..io.checkpoint_local import load_local_
 from ..config import read_hf_config
 from ..models import DTYPES, MoeCausalLM
-from ..models.common.init import dim0_chunk, is_expert_stack, seeded_init_
+from ..models.common.init import (dim0_chunk, is_expert_stack, seeded_init_, shard_chunk,
+                                  shard_dim)
+from .layout import expert_shard_dim
 from .runtime import Runtime
 
 if TYPE_CHECKING:
@@ -107,24 +116,36 @@ def _set_sum_reduction(module) -> None:
         force_sum(True)
 
 
-def _expert_placement(rt: Runtime, experts: set):
-    """fully_shard's `shard_placement_fn` putting the experts on the dp mesh (dim 0), or None
-    where this torch has no per-parameter mesh."""
+def expert_dim(model: torch.nn.Module, rt: Runtime) -> int:
+    """The dim this run's expert stacks are sharded on over their replicas (layout.py's rule:
+    whole experts where the replicas divide them, else rows of every expert)."""
+    stacks = expert_parameters(model)
+    if not stacks:
+        return 0
+    return expert_shard_dim(stacks[0].shape[0], rt.dp_size, {p.shape[1] for p in stacks})
+
+
+def _expert_placement(rt: Runtime, experts: set, dim: int):
+    """fully_shard's `shard_placement_fn` putting the experts on the dp mesh, sharded on
+    `dim`, or None where this torch has no per-parameter mesh. With ep 1 the dp mesh is the
+    layer's own: only the dim is placed (None where it is 0, FSDP2's default)."""
+    if rt.ep_size == 1:
+        return (lambda p: Shard(dim) if p in experts else None) if dim else None
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
                                                                       ShardPlacementResult)
     except ImportError:
         return None
     info = FSDPMeshInfo(rt.dp_mesh, shard_mesh_dim=0)  # one object: FSDP2 groups by it
-    return lambda p: ShardPlacementResult(Shard(0), info) if p in experts else None
+    return lambda p: ShardPlacementResult(Shard(dim), info) if p in experts else None
 
 
 def _shard(model: MoeCausalLM, rt: Runtime) -> None:
     """fully_shard every decoder layer and the root (see the module docstring)."""
     experts = set(expert_parameters(model))
     placement = None
-    if experts and rt.dp_size > 1 and rt.ep_size > 1:
-        placement = _expert_placement(rt, experts)
+    if experts and rt.dp_size > 1:
+        placement = _expert_placement(rt, experts, expert_dim(model, rt))
     sharded = bool(experts) and rt.dp_size > 1 and (rt.ep_size == 1 or placement is not None)
     plain = set() if sharded else experts
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
@@ -157,7 +178,7 @@ def _expert_shards_as_stacks(model: torch.nn.Module, rt: Runtime):
     swapped, rows = [], set()
     try:
         for name, p in list(model.named_parameters()):
-            if not (is_expert_stack(name) and is_sharded(p)):
+            if not (is_expert_stack(name) and is_sharded(p)) or shard_dim(p) != 0:
                 continue
             local, c_lo, c_hi = dim0_chunk(p)
             rows.add((c_lo, c_hi))
@@ -177,6 +198,39 @@ def _expert_shards_as_stacks(model: torch.nn.Module, rt: Runtime):
             owner._parameters[leaf] = p
 
 
+@contextlib.contextmanager
+def _rows_staged(model: torch.nn.Module, names):
+    """While inside, each expert stack in `names` (sharded on dim 1: the same rows of every
+    local expert) is registered as a plain Parameter over a whole local stack, which
+    `seeded_init_` and `load_local_` fill as a plain local expert stack; on leaving without an
+    error, this rank's rows of it are copied into its shard. One layer's stacks at a time:
+    the transient is that layer's local experts, whole."""
+    staged = []
+    try:
+        for name in names:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            p = owner._parameters[leaf]
+            whole = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+            staged.append((owner, leaf, p, whole))
+            owner._parameters[leaf] = torch.nn.Parameter(whole, requires_grad=p.requires_grad)
+        yield
+        with torch.no_grad():
+            for _, _, p, whole in staged:
+                local, lo, hi = shard_chunk(p, 1)
+                local.copy_(whole.narrow(1, lo, hi - lo))
+    finally:
+        for owner, leaf, p, _ in reversed(staged):
+            owner._parameters[leaf] = p
+
+
+def _fill(model, spec: RunSpec, cfg, seed: int, expert_range, names=None) -> None:
+    if spec.checkpoint is not None:
+        load_local_(model, spec.checkpoint, cfg, expert_range, check_finite=True, names=names)
+    else:
+        seeded_init_(model, seed, cfg.initializer_range, expert_range, names=names)
+
+
 def build_sharded_model(spec: RunSpec, rt: Runtime, seed: int | None = None) -> MoeCausalLM:
     prof = spec.profile
     cfg = read_hf_config(spec.checkpoint) if spec.checkpoint is not None else prof.model
@@ -187,12 +241,20 @@ def build_sharded_model(spec: RunSpec, rt: Runtime, seed: int | None = None) -> 
     model.to_empty(device=rt.device)
     for name, buf in model.named_buffers():
         buf.zero_()  # the drop counters: to_empty leaves them uninitialised
+    seed = prof.run.seed if seed is None else seed
+    by_rows: dict[str, list[str]] = {}  # layer -> its expert stacks sharded on dim 1
+    for name, p in model.named_parameters():
+        if is_expert_stack(name) and is_sharded(p) and shard_dim(p) == 1:
+            by_rows.setdefault(".".join(name.split(".")[:2]), []).append(name)
+    rest = None
+    if by_rows:
+        staged = {n for names in by_rows.values() for n in names}
+        rest = {n for n, _ in [*model.named_parameters(), *model.named_buffers()]} - staged
     with _expert_shards_as_stacks(model, rt) as expert_range:
-        if spec.checkpoint is not None:
-            load_local_(model, spec.checkpoint, cfg, expert_range, check_finite=True)
-        else:
-            seeded_init_(model, prof.run.seed if seed is None else seed, cfg.initializer_range,
-                         expert_range)
+        _fill(model, spec, cfg, seed, expert_range, rest)
+    for names in by_rows.values():
+        with _rows_staged(model, names):
+            _fill(model, spec, cfg, seed, rt.expert_range, set(names))
     model.aux_reduce = _sum_over_ranks(dist.group.WORLD)
     model.aux_world = rt.world
     return model

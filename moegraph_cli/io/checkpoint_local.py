@@ -1,8 +1,9 @@
 """Loading an HF checkpoint into a materialised, sharded model, reading only this rank's bytes.
 
 The model may hold plain tensors, FSDP2 DTensors sharded on dim 0, and expert stacks holding only
-the experts in `expert_range`; `models.common.init.owned_rows` says which rows of each full tensor this
-rank holds. `plan_load` checks the checkpoint from its headers as for a full load; then each file
+the experts in `expert_range`; `models.common.init.owned_rows` says which rows of each full
+tensor this rank holds (expert stacks sharded on dim 1 are filled whole, a layer at a time,
+through `names`: distributed/model.py). `plan_load` checks the checkpoint from its headers as for a full load; then each file
 is opened once and read in offset order through `safe_open`: a dense tensor as the rows of this
 rank's chunk (`get_slice`), a fused expert tensor as `[lo:hi]`, and a per-expert tensor only if
 its expert is this rank's (the other experts' tensors are never read).
@@ -26,12 +27,14 @@ from ..models.common.init import is_expert_stack, owned_rows
 
 @torch.no_grad()
 def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfig,
-                expert_range: tuple[int, int] | None = None, check_finite: bool = False) -> None:
+                expert_range: tuple[int, int] | None = None, check_finite: bool = False,
+                names=None) -> None:
     """Fill every parameter of `model` in place from the checkpoint at `path`, cast to the
     parameter's dtype, reading only what this rank holds (see the module docstring). With
     `check_finite`, a NaN or an infinity in what this rank read is an error naming the HF
     tensor (checkpoint.py `refuse_non_finite`); a rank checks only its own rows, and the
-    launcher reports the rank that found one."""
+    launcher reports the rank that found one. `names`: fill only those parameters (and saved
+    buffers); the checkpoint is still checked against the whole model."""
     plan = plan_load(path, cfg)
     params = dict(model.named_parameters())
     # saved buffers (DeepSeek's router correction bias) load like parameters
@@ -48,6 +51,8 @@ def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfi
 
     local_rows = {}  # name -> (local tensor, lo, hi): rows [lo, hi) of the full tensor
     for name, p in params.items():
+        if names is not None and name not in names:
+            continue
         local, lo, hi = owned_rows(name, p, expert_range)
         full = plan.shapes[name]
         local_experts = is_expert_stack(name) and not isinstance(p, DTensor)
@@ -62,9 +67,13 @@ def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfi
 
     pending: dict = {}  # an MXFP4 tensor's first part, until its second (checkpoint.py)
     for file in plan.files:
+        if not any(r.target in local_rows for r in plan.reads_of(file)):
+            continue  # nothing of `names` in it
         try:
             with safe_open(plan.root / file, framework="pt", device="cpu") as f:
                 for r in plan.reads_of(file):
+                    if r.target not in local_rows:
+                        continue
                     local, lo, hi = local_rows[r.target]
                     if r.index == ():  # the whole target: a dense tensor or a fused expert stack
                         if hi > lo:  # (layout steps and MXFP4 groups keep dim 0: rows commute)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..distributed.layout import expert_shard_dim
 from ..models.common.shapes import param_shapes
 from ..config import Profile
 from ..report.summary import DTYPE_BYTES, layer_shapes
@@ -74,6 +75,10 @@ class FsdpUnit:
     numel: int  # U: unsharded elements
     shard: int  # rank 0's (padded) shard elements
     world: int
+    # elements sharded on dim 1 (expert stacks, distributed/layout.expert_shard_dim): FSDP2
+    # copies their all-gather out through a temporary of their size, and their gradients into
+    # dim-0 order through another, before the reduce-scatter
+    rows: int = 0
 
     @property
     def gathered(self) -> int:
@@ -104,11 +109,13 @@ class FsdpLayout:
         backward: step -1) and one all-gather buffer, in b."""
         unit, nxt = self.layers[layer], self._neighbour(layer, step)
         numel = unit.numel + (nxt.numel if nxt else 0)
-        return self.b * (numel + max(unit.gathered, nxt.gathered if nxt else 0))
+        return self.b * (numel + max(unit.gathered + unit.rows,
+                                     nxt.gathered + nxt.rows if nxt else 0))
 
     def reduce_scatter(self, unit: FsdpUnit) -> int:
-        """fp32 reduce-scatter input (padded, W shards) and its fp32 output shard."""
-        return 4 * unit.gathered + 4 * unit.shard
+        """fp32 reduce-scatter input (padded, W shards) and its fp32 output shard, and the
+        dim-0 copy of the gradients sharded on dim 1."""
+        return 4 * unit.gathered + 4 * unit.shard + self.b * unit.rows
 
     def largest_block(self) -> int:
         """The largest single FSDP2 allocation: a flat fp32 reduce-scatter input."""
@@ -201,6 +208,25 @@ class FsdpLayout:
         return peak + self.side_streams(), where
 
 
+def expert_dim(prof: Profile, parallel: Parallel) -> int:
+    """The dim the run's expert stacks are FSDP2-sharded on (distributed/layout.py's rule, as
+    distributed/model.py applies it)."""
+    c = prof.model
+    if not c.num_experts:
+        return 0
+    rows = {shape[1] for name, shape in param_shapes(c).items()
+            if name.endswith(EXPERT_STACKS) and len(shape) > 1}
+    return expert_shard_dim(c.num_experts // parallel.ep, parallel.world // parallel.ep, rows)
+
+
+def expert_shard_numel(local, replicas: int, dim: int) -> int:
+    """Rank 0's share of a local expert stack over its replicas: dim 0 by torch.chunk rules
+    (shard_numel), dim 1 evenly."""
+    if dim == 0 or replicas <= 1:
+        return shard_numel(local, replicas)
+    return math.prod(local) // replicas
+
+
 def local_expert_shape(shape, parallel: Parallel) -> tuple[int, ...]:
     """One EP rank's slice [E / P, ...] of an expert stack."""
     return (shape[0] // parallel.ep, *shape[1:])
@@ -212,9 +238,11 @@ def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
     gathered per layer like the dense parameters, moving parameters of the moe graphs."""
     c, b, W = prof.model, DTYPE_BYTES[prof.run.dtype], parallel.world
     dp = W // parallel.ep
+    dim = expert_dim(prof, parallel)
     shapes = param_shapes(c)
     numel: dict[str, int] = {}
     shard: dict[str, int] = {}
+    rows: dict[str, int] = {}
     for name, shape in shapes.items():
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
         if name.endswith(EXPERT_STACKS):
@@ -223,7 +251,9 @@ def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
             local = local_expert_shape(shape, parallel)
             numel[unit] = numel.get(unit, 0) + math.prod(local)
             # the dp-way all-gather's output, counted in the unit's W-way terms
-            shard[unit] = shard.get(unit, 0) + -(-dp * shard_numel(local, dp) // W)
+            shard[unit] = shard.get(unit, 0) + -(-dp * expert_shard_numel(local, dp, dim) // W)
+            if dim == 1:
+                rows[unit] = rows.get(unit, 0) + math.prod(local)
             continue
         numel[unit] = numel.get(unit, 0) + math.prod(shape)
         shard[unit] = shard.get(unit, 0) + shard_numel(shape, W)
@@ -241,7 +271,8 @@ def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
             kind_dense.setdefault(kind, n)
     head = shapes.get("lm_head.weight", shapes["embed_tokens.weight"])
     units = [FsdpUnit(f"layers.{i}", numel.get(f"layers.{i}", 0),
-                      shard.get(f"layers.{i}", 0), W) for i in range(c.num_hidden_layers)]
+                      shard.get(f"layers.{i}", 0), W, rows.get(f"layers.{i}", 0))
+             for i in range(c.num_hidden_layers)]
     return FsdpLayout(
         b=b, world=W, dp=W // parallel.ep,
         root=FsdpUnit("root", numel["root"], shard["root"], W), layers=units,
@@ -262,7 +293,9 @@ def static_per_rank(prof: Profile, parallel: Parallel) -> tuple[dict[str, int], 
             dense += math.prod(shape)
             dense_shard += shard_numel(shape, W)
     # each rank's slice of its E / P experts: FSDP2-sharded over the dp = W / P replicas
-    local_experts = sum(shard_numel(local_expert_shape(shape, parallel), W // parallel.ep)
+    dim = expert_dim(prof, parallel)
+    local_experts = sum(expert_shard_numel(local_expert_shape(shape, parallel),
+                                           W // parallel.ep, dim)
                         for name, shape in param_shapes(c).items()
                         if name.endswith(EXPERT_STACKS))
     n = dense_shard + local_experts
@@ -274,8 +307,22 @@ def static_per_rank(prof: Profile, parallel: Parallel) -> tuple[dict[str, int], 
         "expert_params": experts, "expert_params_per_rank": local_experts,
         "local_experts": c.num_experts // parallel.ep if c.num_experts else 0,
         "dense_bytes": 4 * b * dense_shard, "expert_bytes": 4 * b * local_experts,
+        "expert_replicas": W // parallel.ep, "expert_shard_dim": dim,
+        "padding_replicas": padding_replicas(c.num_experts // parallel.ep, W // parallel.ep)
+        if c.num_experts and dim == 0 else 0,
     }
     return static, breakdown
+
+
+def padding_replicas(local_experts: int, replicas: int) -> int:
+    """Of an expert stack's `replicas` FSDP2 shards (dim 0, torch.chunk rules: ceil-sized
+    chunks of whole experts), how many hold no expert at all, only the padding FSDP2 gives
+    every rank. Past `local_experts` replicas each further one is such a rank, so per-rank
+    expert memory stops falling there (one expert a layer at least)."""
+    if replicas <= 1 or local_experts == 0:
+        return 0
+    step = -(-local_experts // replicas)
+    return replicas - -(-local_experts // step)
 
 
 def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") -> ScopeMemory:

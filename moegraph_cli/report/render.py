@@ -133,9 +133,9 @@ def plan_result(r: dict, as_json: bool) -> None:
     if r.get("world", 1) > 1 and sb:
         out.print(f"static per rank: dense {fmt_bytes(sb['dense_bytes'])} (FSDP2 shard of "
                   f"{sb['dense_params']:,} params over {r['world']} ranks) + experts "
-                  f"{fmt_bytes(sb['expert_bytes'])} ({sb['local_experts']} experts a layer) + "
-                  f"buffers {fmt_bytes(sb['buffer_bytes'])}; weights, grads and AdamW states",
-                  markup=False)
+                  f"{fmt_bytes(sb['expert_bytes'])} ({sb['local_experts']} experts a layer"
+                  f"{_replicas(sb)}) + buffers {fmt_bytes(sb['buffer_bytes'])}; weights, "
+                  "grads and AdamW states", markup=False)
     out.print(f"static {fmt_bytes(r['static_bytes'])} + graph pools {fmt_bytes(r['pool_bytes'])} "
               f"+ eager peak {fmt_bytes(r['eager_peak'])} (at {r.get('worst_moment', '?')}) = "
               f"predicted peak {fmt_bytes(r['predicted_peak'])}; with "
@@ -377,3 +377,21 @@ class Progress:
         self.description = description
         if self._bar is not None:
             self._bar.update(self._task, description=description)
+
+
+def _replicas(sb: dict) -> str:
+    """How the local experts are sharded over their R replicas: by rows of every expert, or
+    by whole experts and, where some replicas then hold only padding, why the figure stops
+    falling (plan/parallel.padding_replicas)."""
+    replicas, idle = sb.get("expert_replicas", 1), sb.get("padding_replicas", 0)
+    if replicas <= 1:
+        return ""
+    if sb.get("expert_shard_dim") == 1:  # distributed/layout.expert_shard_dim
+        return f", each expert's rows sharded over {replicas} replicas"
+    text = f", sharded over {replicas} replicas"
+    if idle:
+        text += f" by whole experts: {idle} of them hold only padding"
+        if replicas > sb.get("local_experts", 0):
+            text += (f", so this stays at one expert a layer past {sb['local_experts']} "
+                     "replicas")
+    return text

@@ -54,6 +54,7 @@ def _whole(name, t, rt):
 
 def _against_one_process(rank, world, ep, steps, profile="tiny-qwen3-moe", extra=()):
     from moegraph_cli.distributed.model import expert_parameters, is_sharded
+    from moegraph_cli.models.common.init import shard_dim
     from moegraph_cli.train.harness import make_trainer
     from moegraph_cli.train.runspec import build_model
     from moegraph_cli.train.trainer import Trainer, batches
@@ -62,6 +63,8 @@ def _against_one_process(rank, world, ep, steps, profile="tiny-qwen3-moe", extra
     model = build_model(spec, rt.device, rt=rt)
     experts = expert_parameters(model)
     assert experts and all(is_sharded(p) for p in experts) == (world > ep)
+    # 2 experts a model here only where the stacks are to shard on dim 1 (their rows)
+    assert {shard_dim(p) for p in experts} == {1 if "model.num_experts=2" in extra else 0}
     trainer = make_trainer(model, LR, 0.1, rt)
     single = build_model(spec, torch.device("cpu"))
     reference = Trainer(single, LR, 0.1)
@@ -92,6 +95,15 @@ def test_gradients_and_updates_equal_one_process(world, ep):
     run_gloo(_against_one_process, world, ep, 2)
 
 
+@pytest.mark.parametrize("world,ep", [(4, 2), (4, 1)])
+def test_row_sharded_experts_equal_one_process(world, ep):
+    """2 experts: 1 a rank over 2 replicas (4 / 2, the dp mesh's placement) or 2 over 4
+    (4 / 1, the layer's mesh): the replicas do not divide the local experts, so the stacks
+    shard on dim 1 (distributed/layout.expert_shard_dim). Seeded whole, they must still be
+    the one-process model, and train like it."""
+    run_gloo(_against_one_process, world, ep, 2, "tiny-qwen3-moe", ["model.num_experts=2"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 4])
 def test_gradients_equal_one_process_8_ranks(ep):
@@ -99,12 +111,15 @@ def test_gradients_equal_one_process_8_ranks(ep):
     run_gloo(_against_one_process, 8, ep, 1)
 
 
-def test_expert_biases_equal_one_process():
-    """GPT-OSS: expert biases, sharded like the stacks; 4 ranks, ep 2. (Capacity mode decides
-    drops per rank over its own tokens, so it matches no one-process run of the global batch:
-    graph against eager covers it, test_dist_graphs.py.)"""
+@pytest.mark.parametrize("experts", [8, 2])
+def test_expert_biases_equal_one_process(experts):
+    """GPT-OSS: expert biases, sharded like the stacks (with 2 experts, on dim 1: the biases'
+    columns as the stacks' rows); 4 ranks, ep 2. (Capacity mode decides drops per rank over
+    its own tokens, so it matches no one-process run of the global batch: graph against eager
+    covers it, test_dist_graphs.py.)"""
     run_gloo(_against_one_process, 4, 2, 1, "tiny-gpt-oss",
-             ["model.layer_types=[sliding_attention,full_attention]"])
+             ["model.layer_types=[sliding_attention,full_attention]"]
+             + (["model.num_experts=2"] if experts == 2 else []))
 
 
 def _local(t):
@@ -153,29 +168,77 @@ def test_expert_bytes_per_rank_halve_when_replicas_double(tmp_path):
     assert two[0]["adam"] == 2 * two[0]["weights"]
 
 
-def _load_checkpoint(rank, world, ep, path):
+def _storage_bytes(rank, world, ep, extra, out):
+    """Each rank's expert-stack weights as FSDP2 stores them (the padded shard under the
+    DTensor's local view) beside the planner's count for one rank."""
+    from moegraph_cli.distributed.model import expert_parameters
+    from moegraph_cli.plan.parallel import Parallel, static_per_rank
+    from moegraph_cli.train.runspec import build_model
+
+    spec, rt = _setup(ep, extra)
+    model = build_model(spec, rt.device, rt=rt)
+    stacks = expert_parameters(model)
+    figures = {"rows": sum(_local(p).shape[0] for p in stacks),
+               "stored": sum(_local(p).untyped_storage().nbytes() for p in stacks)}
+    everyone = rt.gather_all(figures)
+    if rank == 0:
+        _, plan = static_per_rank(spec.profile, Parallel(world, ep))
+        out.write_text(json.dumps({"ranks": everyone, "plan": plan}))
+
+
+@pytest.mark.parametrize("ffn,dim", [(16, 1), (17, 0)])
+def test_replicas_past_the_local_experts(tmp_path, ffn, dim):
+    """4 ranks, ep 1, 2 experts, so 4 replicas of 2 experts. Where 4 divides every stack's
+    rows (2F = 32, H = 32) the stacks shard on dim 1 and each rank stores half an expert;
+    where not (2F = 34) they shard on dim 0, ranks 0 and 1 get one expert each, and ranks 2
+    and 3 none, yet store one expert's padded shard. Either way what `plan` counts and says
+    (plan/parallel.expert_dim, padding_replicas)."""
+    out = tmp_path / "bytes.json"
+    run_gloo(_storage_bytes, 4, 1, ["model.num_experts=2", f"model.moe_intermediate_size={ffn}"],
+             out)
+    doc = json.loads(out.read_text())
+    ranks, plan = doc["ranks"], doc["plan"]
+    one_expert = 2 * (2 * ffn * 32 + 32 * ffn) * 4  # 2 layers, fp32 w_gate_up + w_down
+    assert plan["expert_shard_dim"] == dim
+    if dim == 1:  # 2 layers x 2 stacks x both experts' rows, a quarter of each
+        assert [r["rows"] for r in ranks] == [8] * 4
+        assert {r["stored"] for r in ranks} == {one_expert // 2}
+        assert plan["padding_replicas"] == 0
+    else:  # whole experts, on the first two ranks only
+        assert [r["rows"] for r in ranks] == [4, 4, 0, 0]
+        assert {r["stored"] for r in ranks} == {one_expert}
+        assert plan["padding_replicas"] == 2
+    assert plan["expert_params_per_rank"] * 4 == ranks[0]["stored"]
+    assert plan["expert_replicas"] == 4
+
+
+def _load_checkpoint(rank, world, ep, path, dim):
+    from moegraph_cli.distributed.model import expert_parameters
     from moegraph_cli.models import MoeCausalLM
+    from moegraph_cli.models.common.init import shard_dim
     from moegraph_cli.train.runspec import build_model
 
     spec, rt = _setup(ep, checkpoint=str(path))
     model = build_model(spec, rt.device, rt=rt)
+    assert {shard_dim(p) for p in expert_parameters(model)} == {dim}
     full = dict(MoeCausalLM.from_pretrained(path, dtype="float32").named_parameters())
     for name, p in model.named_parameters():
         assert torch.equal(_whole(name, p, rt), full[name].detach()), name
 
 
-@pytest.mark.parametrize("world,ep", [(4, 2), (2, 1)])
-def test_checkpoint_fills_the_expert_shards(tmp_path, world, ep):
+@pytest.mark.parametrize("world,ep,experts", [(4, 2, 8), (2, 1, 8), (4, 2, 2), (4, 1, 2)])
+def test_checkpoint_fills_the_expert_shards(tmp_path, world, ep, experts):
     """A checkpoint (seed 11, not the run's seed) read shard by shard: gathered whole, every
-    parameter is bitwise the one-process load."""
+    parameter is bitwise the one-process load. With 2 experts the stacks shard on dim 1 and
+    are read a layer at a time, whole, then cut to this rank's rows."""
     from moegraph_cli.io.checkpoint_save import save_checkpoint
     from moegraph_cli.models import MoeCausalLM
     from moegraph_cli.train.runspec import resolve
 
-    cfg = resolve("tiny-qwen3-moe", None, SMALL).profile.model
+    cfg = resolve("tiny-qwen3-moe", None, SMALL + [f"model.num_experts={experts}"]).profile.model
     state = MoeCausalLM.from_config(cfg, seed=11, dtype=torch.float32).state_dict()
     save_checkpoint(state, cfg, tmp_path / "ckpt", max_shard_bytes=8192)
-    run_gloo(_load_checkpoint, world, ep, tmp_path / "ckpt")
+    run_gloo(_load_checkpoint, world, ep, tmp_path / "ckpt", 1 if experts == 2 else 0)
 
 
 def _graphed_against_eager(rank, world, ep, extra, steps):
@@ -208,15 +271,16 @@ def _graphed_against_eager(rank, world, ep, extra, steps):
     assert tot["replayed"] == steps * len(session.scopes) and tot["fallback"] == 0
 
 
-@pytest.mark.parametrize("world,ep,backend,steps", [
-    (4, 2, "reference", 2),
-    pytest.param(2, 1, "permute_free", 1, marks=pytest.mark.slow),  # Triton interprets
+@pytest.mark.parametrize("world,ep,backend,steps,extra", [
+    (4, 2, "reference", 2, []),
+    (4, 2, "reference", 1, ["model.num_experts=2"]),  # sharded on dim 1
+    pytest.param(2, 1, "permute_free", 1, [], marks=pytest.mark.slow),  # Triton interprets
 ])
-def test_graphed_equals_eager_bitwise_with_sharded_experts(world, ep, backend, steps):
+def test_graphed_equals_eager_bitwise_with_sharded_experts(world, ep, backend, steps, extra):
     """lr > 0, experts sharded over 2 replicas: both expert backends hand the sharded
     experts' gradients back through autograd, never into a buffer FSDP2 does not read;
     losses, gradients and updated weights bitwise equal."""
-    run_gloo(_graphed_against_eager, world, ep, [f"moe.backend={backend}"], steps)
+    run_gloo(_graphed_against_eager, world, ep, [f"moe.backend={backend}", *extra], steps)
 
 
 def test_verify_nproc4_ep2_against_one_process():

@@ -24,7 +24,8 @@ from moegraph_cli.plan.runkey import run_key, same_run
 from moegraph_cli.plan.scope_memory import rms_saved
 from moegraph_cli.plan.simulation import (FRAGMENTATION, MEDIUM_SEGMENT, MEDIUM_SEGMENTS_PER_POOL,
                                           STRATEGIES)
-from moegraph_cli.plan.parallel import Parallel, moe_memory_ep, shard_numel, static_per_rank
+from moegraph_cli.plan.parallel import (Parallel, moe_memory_ep, padding_replicas, shard_numel,
+                                        static_per_rank)
 from moegraph_cli.plan.planfile import load_plan
 from moegraph_cli.plan.planner import plan_command
 from moegraph_cli.train.runspec import resolve
@@ -93,6 +94,51 @@ def test_uneven_shards_plan_for_rank_0():
                  + 171 + 3 * 512)  # post norm, router [8, 512]
     assert b["dense_params_per_rank"] == 2 * 10667 * 512 + 171 + 2 * per_layer
     assert b["local_experts"] == 8  # ep 1: every rank holds every expert
+
+
+def test_padding_replicas_follow_torch_chunk():
+    """A replica holds only padding where torch.chunk of the local experts leaves it none."""
+    for experts in range(0, 9):
+        for replicas in range(1, 19):
+            chunks = torch.chunk(torch.arange(experts), replicas) if experts else ()
+            empty = replicas - len([c for c in chunks if c.numel()]) if experts else 0
+            assert padding_replicas(experts, replicas) == (0 if replicas == 1 else empty)
+
+
+def test_expert_memory_keeps_falling_past_one_expert_a_replica():
+    """deepseek-v3 at ep 64 holds 4 experts a layer a rank: over 4 replicas (256 ranks) whole
+    experts, over 16 (1024 ranks) the rows of each, so the experts' bytes still fall 4x; the
+    plan says which, in the text and in --json."""
+    prof = load_profile("deepseek-v3")
+    b256 = static_per_rank(prof, Parallel(256, 64))[1]
+    b1024 = static_per_rank(prof, Parallel(1024, 64))[1]
+    assert (b256["expert_shard_dim"], b256["padding_replicas"]) == (0, 0)
+    assert (b1024["expert_shard_dim"], b1024["padding_replicas"]) == (1, 0)
+    assert b1024["expert_bytes"] * 4 == b256["expert_bytes"]
+    assert b256["expert_bytes"] * 4 == static_per_rank(prof, Parallel(64, 64))[1]["expert_bytes"]
+    args = ["plan", "-p", "deepseek-v3", "--budget", "120GiB", "--nproc", "1024", "--ep", "64",
+            "--set", "run.batch=1", "--set", "run.seq_len=1024"]
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    assert "4 experts a layer, each expert's rows sharded over 16 replicas" in out
+    code, out, err = run_cli(*args, "--json")
+    assert code == 0, err
+    assert json.loads(out)["static_breakdown"]["expert_shard_dim"] == 1
+
+
+def test_rows_that_do_not_split_leave_replicas_padding():
+    """tiny's 8 experts over 16 replicas (ep 1) with F = 17: 2F = 34 does not split 16 ways,
+    so whole experts, one a replica on 8 of them and only padding on the other 8."""
+    prof = load_profile("tiny-qwen3-moe", ["model.moe_intermediate_size=17"])
+    b = static_per_rank(prof, Parallel(16, 1))[1]
+    assert (b["expert_shard_dim"], b["expert_replicas"], b["padding_replicas"]) == (0, 16, 8)
+    assert b["expert_params_per_rank"] == static_per_rank(prof, Parallel(8, 1))[1][
+        "expert_params_per_rank"]  # one expert a layer either way
+    code, out, err = run_cli("plan", "-p", "tiny-qwen3-moe", "--budget", "10GiB", "--nproc", "16",
+                             "--set", "model.moe_intermediate_size=17")
+    assert code == 0, err
+    assert ("8 experts a layer, sharded over 16 replicas by whole experts: 8 of them hold only "
+            "padding, so this stays at one expert a layer past 8 replicas") in out
 
 
 # -- against the real thing: FSDP2 shards and the EP scope's saved tensors (gloo) ----------
@@ -351,3 +397,30 @@ def test_cli_plan_text_names_the_ranks():
     assert "one rank of --nproc 8 --ep 8" in stdout
     # 192,636,672 params x 8 bytes
     assert "static per rank: dense 1.44 GiB" in stdout and "(16 experts a layer)" in stdout
+
+
+def test_expert_shard_dim_rule():
+    """Whole experts where the replicas divide them; else rows, only where every stack's rows
+    split evenly (FSDP2 shards a dim past 0 only evenly); else whole experts again."""
+    from moegraph_cli.distributed.layout import expert_shard_dim
+    assert expert_shard_dim(4, 1, {7}) == 0 and expert_shard_dim(4, 4, {7}) == 0
+    assert expert_shard_dim(8, 2, {3}) == 0  # 8 % 2 == 0: rows never asked
+    assert expert_shard_dim(4, 16, {4096, 7168}) == 1
+    assert expert_shard_dim(6, 4, {32, 16}) == 1  # 6 % 4: whole experts would pad
+    assert expert_shard_dim(4, 16, {4096, 7160}) == 0  # one stack's rows do not split
+    assert expert_shard_dim(1, 3, {30}) == 1 and expert_shard_dim(1, 3, {31}) == 0
+
+
+def test_row_sharded_experts_charge_their_copies():
+    """FSDP2 copies a dim-1 shard's all-gather out through a temporary of the stack's size,
+    and its gradient into dim-0 order through another: both charged to the layer's unit."""
+    from moegraph_cli.plan.parallel import fsdp_layout
+    prof = load_profile("deepseek-v3")
+    whole, rows = fsdp_layout(prof, Parallel(256, 64)), fsdp_layout(prof, Parallel(1024, 64))
+    moe_layer = 5  # past the 3 dense layers
+    local = 4 * (2 * 2048 * 7168 + 7168 * 2048)  # 4 experts: w_gate_up + w_down
+    assert whole.layers[moe_layer].rows == 0 and rows.layers[moe_layer].rows == local
+    assert rows.layers[0].rows == 0  # a dense layer
+    unit = rows.layers[moe_layer]
+    assert rows.reduce_scatter(unit) == 4 * unit.gathered + 4 * unit.shard + 2 * local
+    assert rows.working_set(moe_layer, +1) >= 2 * (unit.numel + unit.gathered + local)

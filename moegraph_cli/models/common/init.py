@@ -17,7 +17,8 @@ sharded checkpoint loader (checkpoint_local.py) too:
 - a plain expert stack `...moe.w_gate_up` [E_local, 2F, H] / `...moe.w_down` [E_local, H, F]:
   global experts `expert_range = (lo, hi)`, local slice i holding expert lo + i;
 - a DTensor (FSDP2): its dim-0 chunk, `torch.chunk(full, n, dim=0)` over each mesh dim it is
-  sharded on, in mesh-dim order; trailing ranks may hold fewer rows or none.
+  sharded on, in mesh-dim order; trailing ranks may hold fewer rows or none. (An expert stack
+  sharded on dim 1 is filled whole and cut by distributed/model.py: `shard_chunk`.)
 """
 
 from __future__ import annotations
@@ -50,28 +51,42 @@ def dim0_chunk(p: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
     Computed from the DTensor's own mesh coordinate and placements, without collectives, and
     checked against its local shape."""
+    return shard_chunk(p, 0)
+
+
+def shard_dim(p: torch.Tensor) -> int:
+    """The tensor dim a DTensor is sharded on (0 for a plain tensor or a replicated one)."""
+    dims = {pl.dim for pl in getattr(p, "placements", ()) if isinstance(pl, Shard)}
+    return dims.pop() if len(dims) == 1 else 0
+
+
+def shard_chunk(p: torch.Tensor, dim: int) -> tuple[torch.Tensor, int, int]:
+    """(local tensor, lo, hi): this rank holds [lo, hi) of the full tensor along `dim`, by
+    torch.chunk over each mesh dim it is sharded on (see dim0_chunk)."""
     if not isinstance(p, DTensor):
-        return p, 0, p.shape[0]
+        return p, 0, p.shape[dim]
     mesh = p.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError(f"this rank is not in the mesh of a DTensor of shape {list(p.shape)}")
-    lo, hi = 0, p.shape[0]
+    lo, hi = 0, p.shape[dim]
     for mesh_dim, placement in enumerate(p.placements):
         if isinstance(placement, Replicate):
             continue
         # _StridedShard subclasses Shard with another layout, hence the exact type check.
-        if type(placement) is not Shard or placement.dim != 0:
+        if type(placement) is not Shard or placement.dim != dim:
             raise ValueError(f"DTensor of shape {list(p.shape)} has placement {placement}; "
-                             "only Shard(0) and Replicate are supported")
+                             f"only Shard({dim}) and Replicate are supported here")
         rows, n_chunks = hi - lo, mesh.size(mesh_dim)
         step = -(-rows // n_chunks)  # torch.chunk: ceil-sized chunks, the last ones short
         i = coord[mesh_dim]
         lo, hi = lo + min(i * step, rows), lo + min((i + 1) * step, rows)
     local = p.to_local()
-    if tuple(local.shape) != (hi - lo, *p.shape[1:]):
+    want = list(p.shape)
+    want[dim] = hi - lo
+    if list(local.shape) != want:
         raise RuntimeError(f"DTensor of shape {list(p.shape)} with placements {p.placements}: "
-                           f"expected rows [{lo}, {hi}) locally, its local shape is "
+                           f"expected [{lo}, {hi}) of dim {dim} locally, its local shape is "
                            f"{list(local.shape)}")
     return local, lo, hi
 
@@ -117,13 +132,16 @@ def seeded_value(name: str, shape, seed: int, std: float, expert: int | None = N
 
 @torch.no_grad()
 def seeded_init_(model: nn.Module, seed: int, std: float,
-                 expert_range: tuple[int, int] | None = None) -> None:
+                 expert_range: tuple[int, int] | None = None, names=None) -> None:
     """Fill every parameter in place: norms one, the rest N(0, std) per (seed, name[, expert]).
 
     A DTensor parameter is drawn whole (one parameter at a time, so the transient is one fp32
     tensor) and this rank's chunk copied into its local tensor. An expert stack draws only the
-    experts this rank holds, one expert at a time."""
+    experts this rank holds, one expert at a time. `names`: only those parameters (and then
+    no buffer)."""
     for name, p in model.named_parameters():
+        if names is not None and name not in names:
+            continue
         local, lo, hi = owned_rows(name, p, expert_range)
         if name.endswith("norm.weight"):
             local.fill_(1.0)
@@ -132,6 +150,6 @@ def seeded_init_(model: nn.Module, seed: int, std: float,
                 local[e - lo].copy_(seeded_value(name, p.shape[1:], seed, std, e, local.device))
         else:
             local.copy_(seeded_value(name, p.shape, seed, std, None, local.device)[lo:hi])
-    for name, buf in model.named_buffers():
+    for name, buf in model.named_buffers() if names is None else ():
         if name.endswith(ZERO_BUFFERS):
             buf.zero_()
