@@ -52,7 +52,7 @@ def _whole(name, t, rt):
     return t
 
 
-def _against_one_process(rank, world, ep, steps, profile="tiny-qwen3-moe", extra=()):
+def _against_one_process(rank, world, ep, steps, profile="tiny-qwen3-moe", extra=(), dim=0):
     from moegraph_cli.distributed.model import expert_parameters, is_sharded
     from moegraph_cli.models.common.init import shard_dim
     from moegraph_cli.train.harness import make_trainer
@@ -63,8 +63,7 @@ def _against_one_process(rank, world, ep, steps, profile="tiny-qwen3-moe", extra
     model = build_model(spec, rt.device, rt=rt)
     experts = expert_parameters(model)
     assert experts and all(is_sharded(p) for p in experts) == (world > ep)
-    # 2 experts a model here only where the stacks are to shard on dim 1 (their rows)
-    assert {shard_dim(p) for p in experts} == {1 if "model.num_experts=2" in extra else 0}
+    assert {shard_dim(p) for p in experts} == {dim}  # whole experts (0) or their rows (1)
     trainer = make_trainer(model, LR, 0.1, rt)
     single = build_model(spec, torch.device("cpu"))
     reference = Trainer(single, LR, 0.1)
@@ -95,13 +94,18 @@ def test_gradients_and_updates_equal_one_process(world, ep):
     run_gloo(_against_one_process, world, ep, 2)
 
 
-@pytest.mark.parametrize("world,ep", [(4, 2), (4, 1)])
-def test_row_sharded_experts_equal_one_process(world, ep):
-    """2 experts: 1 a rank over 2 replicas (4 / 2, the dp mesh's placement) or 2 over 4
-    (4 / 1, the layer's mesh): the replicas do not divide the local experts, so the stacks
-    shard on dim 1 (distributed/layout.expert_shard_dim). Seeded whole, they must still be
-    the one-process model, and train like it."""
-    run_gloo(_against_one_process, world, ep, 2, "tiny-qwen3-moe", ["model.num_experts=2"])
+@pytest.mark.parametrize("world,ep,experts", [
+    (4, 2, 2), (4, 1, 2), (2, 1, 1),
+    pytest.param(8, 4, 4, marks=pytest.mark.slow),
+])
+def test_row_sharded_experts_equal_one_process(world, ep, experts):
+    """Fewer local experts than replicas: 1 a rank over 2 replicas (4 / 2 and 8 / 4, the dp
+    mesh's placement), 2 over 4 or 1 over 2 (ep 1, the layer's mesh), so the stacks shard on
+    dim 1 (distributed/layout.expert_shard_dim). Seeded whole, they must still be the
+    one-process model, and train like it."""
+    extra = [f"model.num_experts={experts}", f"model.num_experts_per_tok={min(2, experts)}"]
+    run_gloo(_against_one_process, world, ep, 1 if world == 8 else 2, "tiny-qwen3-moe", extra,
+             1)
 
 
 @pytest.mark.slow
@@ -119,7 +123,7 @@ def test_expert_biases_equal_one_process(experts):
     covers it, test_dist_graphs.py.)"""
     run_gloo(_against_one_process, 4, 2, 1, "tiny-gpt-oss",
              ["model.layer_types=[sliding_attention,full_attention]"]
-             + (["model.num_experts=2"] if experts == 2 else []))
+             + (["model.num_experts=2"] if experts == 2 else []), 1 if experts == 2 else 0)
 
 
 def _local(t):
