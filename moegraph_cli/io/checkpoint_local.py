@@ -3,10 +3,11 @@
 The model may hold plain tensors, FSDP2 DTensors sharded on dim 0, and expert stacks holding only
 the experts in `expert_range`; `models.common.init.owned_rows` says which rows of each full
 tensor this rank holds (expert stacks sharded on dim 1 are filled whole, a layer at a time,
-through `names`: distributed/model.py). `plan_load` checks the checkpoint from its headers as for a full load; then each file
-is opened once and read in offset order through `safe_open`: a dense tensor as the rows of this
-rank's chunk (`get_slice`), a fused expert tensor as `[lo:hi]`, and a per-expert tensor only if
-its expert is this rank's (the other experts' tensors are never read).
+through `names`: distributed/model.py). `plan_load` checks the checkpoint from its headers as
+for a full load; then each file holding something to fill is opened once and read in offset
+order through `safe_open`: a dense tensor as the rows of this rank's chunk (`get_slice`), a
+fused expert tensor as `[lo:hi]`, and a per-expert tensor only if its expert is this rank's
+(the other experts' tensors are never read).
 """
 
 from __future__ import annotations
