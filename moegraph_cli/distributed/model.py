@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from ..io.checkpoint import plan_load
 from ..io.checkpoint_local import load_local_
 from ..config import read_hf_config
 from ..models import DTYPES, MoeCausalLM
@@ -224,9 +225,10 @@ def _rows_staged(model: torch.nn.Module, names):
             owner._parameters[leaf] = p
 
 
-def _fill(model, spec: RunSpec, cfg, seed: int, expert_range, names=None) -> None:
+def _fill(model, spec: RunSpec, cfg, seed: int, expert_range, names=None, plan=None) -> None:
     if spec.checkpoint is not None:
-        load_local_(model, spec.checkpoint, cfg, expert_range, check_finite=True, names=names)
+        load_local_(model, spec.checkpoint, cfg, expert_range, check_finite=True, names=names,
+                    plan=plan)
     else:
         seeded_init_(model, seed, cfg.initializer_range, expert_range, names=names)
 
@@ -246,15 +248,17 @@ def build_sharded_model(spec: RunSpec, rt: Runtime, seed: int | None = None) -> 
     for name, p in model.named_parameters():
         if is_expert_stack(name) and is_sharded(p) and shard_dim(p) == 1:
             by_rows.setdefault(".".join(name.split(".")[:2]), []).append(name)
-    rest = None
+    rest, plan = None, None
     if by_rows:
+        # one load plan (the headers read once) for the fills below
+        plan = plan_load(spec.checkpoint, cfg) if spec.checkpoint is not None else None
         staged = {n for names in by_rows.values() for n in names}
         rest = {n for n, _ in [*model.named_parameters(), *model.named_buffers()]} - staged
     with _expert_shards_as_stacks(model, rt) as expert_range:
-        _fill(model, spec, cfg, seed, expert_range, rest)
+        _fill(model, spec, cfg, seed, expert_range, rest, plan)
     for names in by_rows.values():
         with _rows_staged(model, names):
-            _fill(model, spec, cfg, seed, rt.expert_range, set(names))
+            _fill(model, spec, cfg, seed, rt.expert_range, set(names), plan)
     model.aux_reduce = _sum_over_ranks(dist.group.WORLD)
     model.aux_world = rt.world
     return model

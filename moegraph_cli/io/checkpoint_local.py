@@ -29,14 +29,15 @@ from ..models.common.init import is_expert_stack, owned_rows
 @torch.no_grad()
 def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfig,
                 expert_range: tuple[int, int] | None = None, check_finite: bool = False,
-                names=None) -> None:
+                names=None, plan=None) -> None:
     """Fill every parameter of `model` in place from the checkpoint at `path`, cast to the
     parameter's dtype, reading only what this rank holds (see the module docstring). With
     `check_finite`, a NaN or an infinity in what this rank read is an error naming the HF
     tensor (checkpoint.py `refuse_non_finite`); a rank checks only its own rows, and the
     launcher reports the rank that found one. `names`: fill only those parameters (and saved
-    buffers); the checkpoint is still checked against the whole model."""
-    plan = plan_load(path, cfg)
+    buffers); the checkpoint is still checked against the whole model. `plan`: `plan_load`'s
+    of the same path and config, where the caller fills the model in several calls."""
+    plan = plan if plan is not None else plan_load(path, cfg)
     params = dict(model.named_parameters())
     # saved buffers (DeepSeek's router correction bias) load like parameters
     params.update({n: b for n, b in model.named_buffers() if n in plan.shapes})
@@ -66,15 +67,17 @@ def load_local_(model: torch.nn.Module, path: str | os.PathLike, cfg: ModelConfi
                                   f"the checkpoint's tensor has {shape_str(full)}")
         local_rows[name] = (local, lo, hi)
 
+    reads: dict[str, list] = {}  # file -> its reads of what is filled here, in plan order
+    for r in plan.reads:
+        if r.target in local_rows:
+            reads.setdefault(r.file, []).append(r)
     pending: dict = {}  # an MXFP4 tensor's first part, until its second (checkpoint.py)
     for file in plan.files:
-        if not any(r.target in local_rows for r in plan.reads_of(file)):
+        if file not in reads:
             continue  # nothing of `names` in it
         try:
             with safe_open(plan.root / file, framework="pt", device="cpu") as f:
-                for r in plan.reads_of(file):
-                    if r.target not in local_rows:
-                        continue
+                for r in reads[file]:
                     local, lo, hi = local_rows[r.target]
                     if r.index == ():  # the whole target: a dense tensor or a fused expert stack
                         if hi > lo:  # (layout steps and MXFP4 groups keep dim 0: rows commute)
