@@ -47,8 +47,10 @@ def meta_model(cfg: ModelConfig, expert_range: tuple[int, int] | None = None,
 
 
 def fsdp_model(cfg: ModelConfig, expert_range: tuple[int, int] | None = None) -> MoeCausalLM:
-    """What the multi-GPU path builds, on CPU: meta, fully_shard every layer (expert stacks
-    left out) and the root over a 1-D mesh of the world, then to_empty. Values are garbage."""
+    """The units the multi-GPU path builds with experts at ep == world, on CPU: meta,
+    fully_shard every layer (expert stacks left out), an untied head's embedding and final
+    norm + lm head, and the root over a 1-D mesh of the world, then to_empty. Values are
+    garbage."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -57,6 +59,9 @@ def fsdp_model(cfg: ModelConfig, expert_range: tuple[int, int] | None = None) ->
     for layer in model.layers:
         ignored = {layer.moe.w_gate_up, layer.moe.w_down} if layer.is_moe else None
         fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    if model.lm_head is not None:
+        fully_shard(model.embed_tokens, mesh=mesh)
+        fully_shard([model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     return model.to_empty(device="cpu")
 

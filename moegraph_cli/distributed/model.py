@@ -22,7 +22,15 @@ materialised (seeded, or read from a checkpoint slice by slice).
   A torch whose fully_shard has no per-parameter mesh keeps the experts replicated over the
   dp ranks when 1 < E < N (plain tensors; the trainer all-reduces their gradients).
 - Everything else (embedding, attention, norms, router, shared expert, lm head, dense MLP
-  layers): FSDP2 `fully_shard`, one unit per decoder layer plus the root, over all ranks.
+  layers): FSDP2 `fully_shard` over all ranks, one unit per decoder layer; with an untied
+  head (torchtitan's units) one for the embedding, resharded after its forward and gathered
+  again for its backward at the end, and one for the final norm with the lm head, kept from
+  its forward to its backward (the backward's first), whose gradients are reduce-scattered
+  and freed there; the root then holds no parameter. So neither the vocabulary-sized weights
+  nor the head's gradient live through the layers' backward (with the root holding both,
+  both weights lived the whole step and the head's [V, H] gradient the whole backward). A
+  tied head keeps the embedding and the final norm in the root (its weight is read at both
+  ends of the step).
   Parameters in the run dtype; gradients reduce-scattered in fp32
   (MixedPrecisionPolicy.reduce_dtype).
 - Gradients are summed across ranks, not averaged (gradient divide factor 1): the trainer
@@ -142,7 +150,8 @@ def _expert_placement(rt: Runtime, experts: set, dim: int):
 
 
 def _shard(model: MoeCausalLM, rt: Runtime) -> None:
-    """fully_shard every decoder layer and the root (see the module docstring)."""
+    """fully_shard every decoder layer, the embedding, the head and the root (see the
+    module docstring)."""
     experts = set(expert_parameters(model))
     placement = None
     if experts and rt.dp_size > 1:
@@ -164,6 +173,11 @@ def _shard(model: MoeCausalLM, rt: Runtime) -> None:
     if sharded:
         for unit, after in zip(units, units[1:]):
             unit.set_modules_to_forward_prefetch([after])
+    if model.lm_head is not None:  # untied: the embedding, and the final norm with the head
+        units.append(fully_shard(model.embed_tokens, mesh=rt.fsdp_mesh, mp_policy=policy))
+        head = fully_shard([model.norm, model.lm_head], mesh=rt.fsdp_mesh, mp_policy=policy,
+                           reshard_after_forward=False)
+        units.append(model.norm if isinstance(head, list) else head)  # one state for both
     units.append(fully_shard(model, mesh=rt.fsdp_mesh, mp_policy=policy,
                              ignored_params=plain or None))
     for unit in units:

@@ -9,8 +9,9 @@ its own (run.batch is per rank), b bytes per element of the run dtype:
 - Dense parameters (embedding, lm head, attention, norms, router, dense MLP layers): FSDP2
   `fully_shard` on dim 0 over all W ranks, by torch.chunk rules: rank 0 holds ceil(rows / W)
   rows of every tensor, the most, so the plan is for rank 0. Sharded weight, grad and AdamW
-  states in b. One FSDP unit per decoder layer (its experts ignored) plus the root (embedding,
-  final norm, lm head).
+  states in b. One FSDP unit per decoder layer (its experts ignored); with an untied head one
+  for the embedding and one for the final norm with the lm head, the root holding nothing;
+  with a tied head the root holds the embedding and the final norm.
 - FSDP2 working set (eager part of the step, graphs or not: collectives stay outside graphs):
   a layer's unsharded parameters (b * U_i) live from its forward all-gather to the end of its
   forward (reshard after forward), and again in its backward; the all-gather lands in a flat
@@ -20,9 +21,13 @@ its own (run.batch is per rank), b bytes per element of the run dtype:
   b * (U_i + U_next + G) in forward and b * (U_i + U_prev + G) in backward. Its backward
   leaves unsharded grads (b * U_i) that post-backward copies into an fp32 reduce-scatter
   input (4 * G_i, MixedPrecisionPolicy(reduce_dtype=float32)) with an fp32 output shard
-  (4 * shard_i). The root is not resharded after forward: its unsharded parameters live for the
-  whole step, its lm-head grad from the lm-head backward to the root's reduce-scatter, which
-  runs last with all its grads and an fp32 buffer of the same numel.
+  (4 * shard_i). Untied: the embedding unit is resharded after its forward and gathered again
+  during layer 0's backward (prefetch) for the embedding backward, then reduce-scattered; the
+  head unit is gathered before the final norm and kept into its backward (the backward's
+  first), then reduce-scattered, its grads freed and its weights resharded before layer
+  n - 1's backward. Tied: the root is not resharded after forward: its unsharded parameters
+  live for the whole step, the head's grad from the lm-head backward to the root's
+  reduce-scatter, which runs last with all its grads and an fp32 buffer of the same numel.
 - MoE with P > 1 (moe/ep.py): the scope all-gathers x [T, H], the top-k weights and ids over
   P ranks (R = P*T received rows) and runs its E_l experts over them; see `moe_memory_ep`.
 - Graphs: FSDP-sharded parameters are "moving" (graphs/params.py): the session keeps one set of
@@ -93,16 +98,27 @@ class FsdpLayout:
     b: int
     world: int
     dp: int  # expert replicas (W / P): each expert FSDP2-sharded over them when > 1
-    root: FsdpUnit
+    root: FsdpUnit  # with an untied head it holds nothing
     layers: list[FsdpUnit]
     kind_dense: dict[str, int]  # per scope kind: its moving (FSDP-sharded) parameter elements
     head_grad: int  # bytes of the lm head's (or tied embedding's) unsharded grad
     expert_block: int  # elements of the largest local expert stack [E_l, 2F, H]
+    embed: FsdpUnit | None = None  # untied head: the embedding's unit
+    head: FsdpUnit | None = None  # untied head: the final norm's and lm head's unit
+
+    def units(self) -> tuple[FsdpUnit, ...]:
+        return tuple(u for u in (self.root, self.embed, self.head) if u is not None) + \
+            tuple(self.layers)
 
     # -- working sets -------------------------------------------------------------------
     def _neighbour(self, layer: int, step: int) -> FsdpUnit | None:
+        """The unit gathered while `layer` runs: the next layer (forward prefetch, or the
+        all-gather stream not reusing the blocks just freed), the previous one in backward
+        (FSDP2's implicit prefetch), which for layer 0 is the embedding's unit."""
         j = layer + step
-        return self.layers[j] if 0 <= j < len(self.layers) else None
+        if 0 <= j < len(self.layers):
+            return self.layers[j]
+        return self.embed if j < 0 else None
 
     def working_set(self, layer: int, step: int) -> int:
         """Unsharded params of `layer` and of the unit gathered next (forward: step +1,
@@ -119,7 +135,7 @@ class FsdpLayout:
 
     def largest_block(self) -> int:
         """The largest single FSDP2 allocation: a flat fp32 reduce-scatter input."""
-        return max(4 * u.gathered for u in (self.root, *self.layers))
+        return max(4 * u.gathered for u in self.units())
 
     def side_streams(self) -> int:
         """Bytes FSDP2 allocates on its own streams, which the caching allocator keeps
@@ -128,8 +144,8 @@ class FsdpLayout:
         back to b. Measured on 2 H200s (qwen3-30b-a3b-4layer, ep 2): the eager step reserved
         21.03 GiB where the rest of this model predicted 18.03 GiB; these two account for
         2.9 GiB of the gap (the root's 1.24 GB gather, its 1.24 GB fp32 shard and 0.62 GB
-        cast)."""
-        units = (self.root, *self.layers)
+        cast: the root then held the embedding and the lm head, now units of their own)."""
+        units = self.units()
         return self.b * max(u.gathered for u in units) + \
             (4 + self.b) * max(u.shard for u in units)
 
@@ -152,13 +168,18 @@ class FsdpLayout:
     def eager_dynamic(self, model, captured) -> tuple[int, str]:
         """simulation.StepModel._eager_dynamic with the FSDP2 working set; the moments of a
         captured scope are its all-gather (forward) and its gradient clone (backward)."""
-        t, b = model.tail, self.b
-        root = self.b * self.root.numel
-        live = root  # the root's unsharded parameters: gathered once, kept all step
-        peak, where = root + b * self.root.gathered, "root all-gather"
+        t, b, root, embed, head = model.tail, self.b, self.root, self.embed, self.head
+        live = b * root.numel  # the root's unsharded parameters: gathered once, kept all step
+        peak, where = live + b * root.gathered, "root all-gather"
+        if embed is not None:  # the embedding's, from its all-gather to the end of its forward
+            if live + b * (embed.numel + embed.gathered) > peak:
+                peak, where = live + b * (embed.numel + embed.gathered), "embedding all-gather"
+            live += b * embed.numel
         live += model.stream
         if live > peak:
             peak, where = live, "embedding"
+        if embed is not None:
+            live -= b * embed.numel  # resharded after its forward
         kept: list[int] = []
         prev_eager = True
         for i, (ref, cap) in enumerate(zip(model.scopes, captured)):
@@ -177,8 +198,21 @@ class FsdpLayout:
                 prev_eager = True
             if top > peak:
                 peak, where = top, label
-        live, peak, where = loss_moments(t, live, peak, where)
-        live += self.head_grad  # unsharded until the root's reduce-scatter, after everything
+        prefetch = 0
+        if head is not None:  # gathered before the final norm, kept into its backward
+            if live + b * (head.numel + head.gathered) > peak:
+                peak, where = live + b * (head.numel + head.gathered), "head all-gather"
+            live += b * head.numel
+            # its pre-backward (the loss's gradient) prefetches the last layer's unit
+            last = self.layers[-1] if self.layers else FsdpUnit("none", 0, 0, self.world)
+            prefetch = b * (last.numel + last.gathered + last.rows)
+        live, peak, where = loss_moments(t, live, peak, where, prefetch)
+        live += self.head_grad  # unsharded until its unit's reduce-scatter
+        if head is not None:  # the head's post-backward: all its grads, then freed, resharded
+            top = live - self.head_grad + b * head.numel + self.reduce_scatter(head) + prefetch
+            if top > peak:
+                peak, where = top, "reduce-scatter of the head"
+            live -= self.head_grad + b * head.numel
         grads = 0  # this layer's unsharded grads so far (the scopes done in its backward)
         n = len(model.scopes)
         for i in range(n - 1, -1, -1):
@@ -200,11 +234,20 @@ class FsdpLayout:
                 if top > peak:
                     peak, where = top, f"reduce-scatter of {unit.name}"
                 grads = 0
+        if embed is not None:  # gathered again during layer 0's backward (its prefetch)
+            live += b * embed.numel
         if live + t["embed_bwd_transient"] > peak:
             peak, where = live + t["embed_bwd_transient"], "embedding backward"
-        top = live - self.head_grad + b * self.root.numel + self.reduce_scatter(self.root)
-        if top > peak:
-            peak, where = top, "reduce-scatter of the root"
+        if embed is not None:  # its params and grads, then resharded and freed
+            top = live + b * embed.numel + self.reduce_scatter(embed)
+            if top > peak:
+                peak, where = top, "reduce-scatter of the embedding"
+            live -= b * embed.numel
+        if root.numel:  # last: all its grads (the head's among them, unless its own unit)
+            head_grad = self.head_grad if head is None else 0
+            top = live - head_grad + b * root.numel + self.reduce_scatter(root)
+            if top > peak:
+                peak, where = top, "reduce-scatter of the root"
         return peak + self.side_streams(), where
 
 
@@ -243,8 +286,13 @@ def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
     numel: dict[str, int] = {}
     shard: dict[str, int] = {}
     rows: dict[str, int] = {}
+    split = not c.tie_word_embeddings  # distributed/model.py: the embedding, the head
+    outer = {"embed_tokens.weight": "embed", "norm.weight": "head", "lm_head.weight": "head"}
     for name, shape in shapes.items():
-        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        if name.startswith("layers."):
+            unit = ".".join(name.split(".")[:2])
+        else:
+            unit = outer.get(name, "root") if split else "root"
         if name.endswith(EXPERT_STACKS):
             if dp == 1:
                 continue  # plain stacks at stable addresses, no FSDP2
@@ -273,12 +321,16 @@ def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
     units = [FsdpUnit(f"layers.{i}", numel.get(f"layers.{i}", 0),
                       shard.get(f"layers.{i}", 0), W, rows.get(f"layers.{i}", 0))
              for i in range(c.num_hidden_layers)]
+    def outer_unit(name: str) -> FsdpUnit:
+        return FsdpUnit(name, numel.get(name, 0), shard.get(name, 0), W)
+
     return FsdpLayout(
-        b=b, world=W, dp=W // parallel.ep,
-        root=FsdpUnit("root", numel["root"], shard["root"], W), layers=units,
+        b=b, world=W, dp=W // parallel.ep, root=outer_unit("root"), layers=units,
         kind_dense=kind_dense, head_grad=b * math.prod(head),
         expert_block=(c.num_experts // parallel.ep) * 2 * c.moe_intermediate_size
-        * c.hidden_size)
+        * c.hidden_size,
+        embed=outer_unit("embed") if split else None,
+        head=outer_unit("head") if split else None)
 
 
 def static_per_rank(prof: Profile, parallel: Parallel) -> tuple[dict[str, int], dict]:

@@ -343,18 +343,20 @@ def tail_memory(prof: Profile, sinks: bool = True, device_type: str = "cuda") ->
     }
 
 
-def loss_moments(t: dict[str, int], live: int, peak: int, where: str) -> tuple[int, int, str]:
+def loss_moments(t: dict[str, int], live: int, peak: int, where: str,
+                 backward_extra: int = 0) -> tuple[int, int, str]:
     """Final norm, lm head and loss over `live` bytes: (live after them, peak, where). The
     logits live from the head's forward to its backward (the trainers keep none), their
-    gradient written over them."""
+    gradient written over them. `backward_extra`: bytes beside the backward moments only
+    (an FSDP2 all-gather the head's backward prefetches, parallel.py)."""
     live += t["norm_saved"] + t["logits"]
     if live + t["loss_fwd_transient"] > peak:
         peak, where = live + t["loss_fwd_transient"], "loss forward"
     live += t["loss_saved"]
-    if live + t["loss_bwd_transient"] > peak:
-        peak, where = live + t["loss_bwd_transient"], "loss backward"
-    if live + t["head_bwd_transient"] > peak:
-        peak, where = live + t["head_bwd_transient"], "lm-head backward"
+    if live + t["loss_bwd_transient"] + backward_extra > peak:
+        peak, where = live + t["loss_bwd_transient"] + backward_extra, "loss backward"
+    if live + t["head_bwd_transient"] + backward_extra > peak:
+        peak, where = live + t["head_bwd_transient"] + backward_extra, "lm-head backward"
     live -= t["norm_saved"] + t["loss_saved"] + t["logits"]
     return live, peak, where
 

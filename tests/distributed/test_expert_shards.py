@@ -94,6 +94,11 @@ def test_gradients_and_updates_equal_one_process(world, ep):
     run_gloo(_against_one_process, world, ep, 2)
 
 
+def test_tied_head_equals_one_process():
+    """A tied head: the embedding, read at both ends of the step, stays in the root unit."""
+    run_gloo(_against_one_process, 2, 1, 2, "tiny-qwen3-moe", ["model.tie_word_embeddings=true"])
+
+
 @pytest.mark.parametrize("world,ep,experts", [
     (4, 2, 2), (4, 1, 2), (2, 1, 1),
     pytest.param(8, 4, 4, marks=pytest.mark.slow),

@@ -150,11 +150,12 @@ def _rank_checks(rank, world):
     # 1. FSDP2's padded shard storage on this rank = the plan's rank-0 dense shard
     cfg = tiny_cfg()
     model = fsdp_model(cfg, expert_ranges(cfg.num_experts, world)[rank])
-    padded = 0
+    padded, seen = 0, set()
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
         group = state()._fsdp_param_group if state is not None else None
-        if group is not None:
+        if group is not None and id(group) not in seen:  # one group: the norm and the head
+            seen.add(id(group))
             padded += sum(p._sharded_param_data.numel() for p in group.fsdp_params)
     assert sum(p.to_local().numel() for p in model.parameters() if is_sharded(p)) <= padded
     prof = dataclasses.replace(load_profile("tiny-qwen3-moe"), model=cfg)
@@ -222,21 +223,29 @@ def test_ep_moe_scope_qwen3_by_hand():
         + 4 * (S // 128 - S_cap // 128)
 
 
-def test_root_reduce_scatter_and_moving_buffers_by_hand():
+def test_head_reduce_scatter_and_moving_buffers_by_hand():
     """8 ranks, everything captured in a shared pool: the eager part's worst moment is the
-    root's reduce-scatter: its unsharded params and grads, the fp32 flat input and output
-    shard, beside the residual stream (the logits died with the loss's backward)."""
+    head unit's reduce-scatter (the final norm and the lm head, distributed/model.py): its
+    unsharded params and grads, the fp32 flat input and output shard, and the last layer's
+    unit its backward prefetched, beside the residual stream (the logits died with the loss's
+    backward). The embedding's unit is not gathered then."""
     prof = load_profile(QWEN, SEQ_1K)
     model = step_model(prof, parallel=Parallel(8, 8))
     n = len(model.scopes)
     p = model.predict((True,) * n, "shared")
-    root = 2 * 151936 * 2048 + 2048
-    shard = 2 * 18992 * 2048 + 256
-    # + FSDP2's side-stream caches: the root's gather (b) and its fp32 shard plus bf16 cast
+    head = 151936 * 2048 + 2048
+    shard = 18992 * 2048 + 256  # ceil(151936 / 8) rows of the head, 2048 / 8 of the norm
+    assert (model.fsdp.head.numel, model.fsdp.head.shard) == (head, shard)
+    assert (model.fsdp.embed.numel, model.fsdp.embed.shard) == (151936 * 2048, 18992 * 2048)
+    assert model.fsdp.root.numel == 0
+    # + FSDP2's side-stream caches: the largest unit's gather (b), the head's, and its fp32
+    # shard plus bf16 cast
     side = 2 * 8 * shard + (4 + 2) * shard
     assert model.fsdp.side_streams() == side
-    dyn = 2 * 2 * root + 4 * 8 * shard + 4 * shard + model.stream + side  # logits freed by now
-    assert p.worst_moment == "reduce-scatter of the root"
+    last = model.fsdp.layers[47]
+    prefetch = 2 * (last.numel + last.gathered)
+    dyn = 2 * 2 * head + 4 * 8 * shard + 4 * shard + prefetch + model.stream + side
+    assert p.worst_moment == "reduce-scatter of the head"
     assert p.eager_peak == int(dyn * (1 + FRAGMENTATION)) + p.io_bytes + model.runtime_graph \
         + MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT
     # I/O: layer 0's input, layer 47's grad-output, 48 router-statistics grads, and ONE set
@@ -247,33 +256,66 @@ def test_root_reduce_scatter_and_moving_buffers_by_hand():
     only_attn = tuple(r.kind == "attn" and r.layer in (0, 5) for r in model.scopes)
     q = model.predict(only_attn, "shared")
     assert q.io_bytes == 4 * model.stream + 2 * 2 * attn  # not once per captured layer
-    # the largest single block is the root's fp32 reduce-scatter input
+    # the largest single block is the head's fp32 reduce-scatter input
     assert p.headroom == 4 * 8 * shard
 
 
 def test_eager_step_of_a_rank_by_hand():
-    """2 ranks, nothing captured: the worst moment is the last MoE layer's backward (the
-    fused loss keeps no fp32 [T, V]; a rank's expert grads are returned, not written), over
-    every layer's saved activations, with the root's unsharded parameters (kept from its
-    forward) and the lm head's unsharded gradient under it."""
+    """2 ranks, nothing captured: the worst moment is the head unit's reduce-scatter (the
+    fused loss keeps no fp32 [T, V]; its logits are gone by then), over every layer's saved
+    activations, with the head's unsharded parameters (kept from its forward) and grads, its
+    fp32 reduce-scatter buffers and the last layer's prefetched unit."""
     model = step_model(load_profile(QWEN, SEQ_1K), parallel=Parallel(2, 2))
     n = len(model.scopes)
     none = model.predict((False,) * n, "shared")
     t, a, m = model.tail, model.kinds["attn"], model.kinds["moe"]
     assert t["loss_bwd_transient"] == 0 and t["loss_saved"] == 12 * 1024
-    root = 2 * (2 * 151936 * 2048 + 2048)
+    head = 151936 * 2048 + 2048
+    shard = 75968 * 2048 + 1024
+    last = model.fsdp.layers[47]
     # every scope's input is kept too: the fused norms (CUDA) save their input x itself
     assert a.saves_input and m.saves_input
-    dyn = (root + model.stream + 48 * (a.saved + m.saved) + n * model.stream
-           + model.fsdp.head_grad + model.fsdp.working_set(47, -1) + m.bwd_transient
+    dyn = (model.stream + 48 * (a.saved + m.saved) + n * model.stream
+           + 2 * 2 * head + 4 * 2 * shard + 4 * shard + 2 * (last.numel + last.gathered)
            + model.fsdp.side_streams())
-    assert none.worst_moment == "backward of layers.47.moe"
-    assert m.bwd_transient > m.param_grads  # returned, not written, on a rank
+    assert none.worst_moment == "reduce-scatter of the head"
     assert none.eager_peak == int(dyn * (1 + FRAGMENTATION)) + model.runtime \
         + MEDIUM_SEGMENTS_PER_POOL * MEDIUM_SEGMENT
+    # the last MoE layer's backward, next: the head resharded and its grads freed by then
+    m_top = (model.stream + 48 * (a.saved + m.saved) + n * model.stream
+             + model.fsdp.working_set(47, -1) + m.bwd_transient + model.fsdp.side_streams())
+    assert m_top < dyn
+    assert m.bwd_transient > m.param_grads  # returned, not written, on a rank
     every = model.predict((True,) * n, "shared")
     assert every.pool_bytes > 48 * (a.saved + m.saved)  # the activations moved into the pool
-    assert every.worst_moment == "reduce-scatter of the root"
+    assert every.worst_moment == "reduce-scatter of the head"
+
+
+def test_tied_head_keeps_the_root_whole_step():
+    """A tied head (distributed/model.py keeps the embedding and the final norm in the root):
+    the root's unsharded parameters live the whole step and its reduce-scatter runs last."""
+    prof = load_profile(QWEN, SEQ_1K + ["model.tie_word_embeddings=true"])
+    model = step_model(prof, parallel=Parallel(8, 8))
+    assert model.fsdp.embed is None and model.fsdp.head is None
+    assert model.fsdp.root.numel == 151936 * 2048 + 2048
+    p = model.predict((True,) * len(model.scopes), "shared")
+    assert p.worst_moment == "reduce-scatter of the root"
+
+
+def test_own_units_lower_the_peak_where_people_train():
+    """The embedding's and the head's own units against the root holding both (the tied
+    layout's moments with the untied sizes): lower at 1 x 4096 and 4 x 4096 a rank."""
+    from moegraph_cli.plan.parallel import FsdpUnit
+
+    for seq in (["run.seq_len=4096"], ["run.seq_len=4096", "run.batch=4"]):
+        model = step_model(load_profile(QWEN, seq), parallel=Parallel(8, 8))
+        n = len(model.scopes)
+        own = [model.predict((c,) * n, "shared").eager_peak for c in (True, False)]
+        f = model.fsdp
+        f.root = FsdpUnit("root", f.embed.numel + f.head.numel, f.embed.shard + f.head.shard, 8)
+        f.embed = f.head = None
+        root = [model.predict((c,) * n, "shared").eager_peak for c in (True, False)]
+        assert all(a < b for a, b in zip(own, root)), (seq, own, root)
 
 
 # -- plan --nproc/--ep -----------------------------------------------------------------------

@@ -21,10 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import DEFAULT_PROFILE, ModelConfig, MoeConfig, load_profile, read_hf_config
-from .loss import causal_shift, linear_cross_entropy
+from .loss import LmHead, causal_shift, head_loss
 from ...moe.routing import aux_loss_from_stats
-from .embedding import embedding
-from .linear import linear
+from .embedding import Embedding
 from .norm import RMSNorm
 from .rope import rope_cos_sin
 
@@ -80,13 +79,13 @@ class MoeCausalLM(nn.Module):
         self.moe_config = (moe or MoeConfig()).validate()
         self.aux_reduce = None
         self.aux_world = 1
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         family = cfg.family
         self.layers = nn.ModuleList(family.decoder_layer(cfg, self.moe_config, i, ep)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else \
-            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            LmHead(cfg.hidden_size, cfg.vocab_size)
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- construction ---------------------------------------------------------------------
@@ -153,7 +152,7 @@ class MoeCausalLM(nn.Module):
         fp32 cross-entropy without fp32 [tokens, vocab] logits) plus the weighted aux loss.
         `keep_logits=False` (the trainers): the loss's backward overwrites the logits' buffer
         with their gradient, and no logits are returned."""
-        x_BSH = embedding(input_ids, self.embed_tokens.weight)
+        x_BSH = self.embed_tokens(input_ids)
         self.rope_tables(input_ids.shape[1], x_BSH.dtype, x_BSH.device)
         aux_stats: list[torch.Tensor] = []
         for layer in self.layers:
@@ -161,18 +160,17 @@ class MoeCausalLM(nn.Module):
             if stats_2E is not None:
                 aux_stats.append(stats_2E)
         x_BSH = self.norm(x_BSH)
-        w_head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         aux = None
         if aux_stats:
             aux = aux_loss_from_stats(aux_stats, input_ids.numel() * self.aux_world,
                                       self.aux_reduce)
-        loss = None
-        if labels is None:
-            logits = linear(x_BSH, w_head)
+        shifted = None if labels is None else causal_shift(labels.to(x_BSH.device))
+        if self.lm_head is None:  # tied: the embedding's weight
+            loss, logits = head_loss(x_BSH, self.embed_tokens.weight, shifted,
+                                     inplace_backward=not keep_logits)
         else:
-            loss, logits = linear_cross_entropy(x_BSH, w_head,
-                                                causal_shift(labels.to(x_BSH.device)),
-                                                inplace_backward=not keep_logits)
+            loss, logits = self.lm_head(x_BSH, shifted, inplace_backward=not keep_logits)
+        if loss is not None:
             if not keep_logits:
                 logits = None
             if aux is not None:

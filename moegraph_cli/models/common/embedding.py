@@ -57,3 +57,11 @@ def embedding(ids: torch.Tensor, w: torch.Tensor, impl: str | None = None) -> to
             or not w.requires_grad:
         return F.embedding(ids, grads.through(w))
     return _Embedding.apply(ids, w)
+
+
+class Embedding(torch.nn.Embedding):
+    """nn.Embedding through `embedding` (same parameter, same state-dict key). Called as a
+    module, so FSDP2 can shard it as a unit of its own (distributed/model.py)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding(ids, self.weight)

@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from ... import grads
 from ...matmul import linear, matmul
+from .linear import linear as module_linear
 
 IMPLS = ("auto", "triton", "reference")
 
@@ -115,3 +116,27 @@ def linear_cross_entropy(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch
         x_TH.reshape(-1, hidden), w_VH, labels_T.reshape(-1).to(x_TH.device).contiguous(),
         ignore_index, use_triton, inplace_backward)
     return loss, logits_TV.view(*x_TH.shape[:-1], vocab)
+
+
+class LmHead(torch.nn.Linear):
+    """The untied lm head, an nn.Linear [V, H] without bias (same parameter, same state-dict
+    key) whose forward is the head with the loss: `(loss, logits)` of
+    `linear_cross_entropy`, or `(None, logits)` without labels. Called as a module, so
+    FSDP2 can shard it with the final norm as a unit of its own (distributed/model.py)."""
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__(hidden, vocab, bias=False)
+
+    def forward(self, x_TH: torch.Tensor, labels_T: torch.Tensor | None = None, *,
+                inplace_backward: bool = False
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        return head_loss(x_TH, self.weight, labels_T, inplace_backward)
+
+
+def head_loss(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor | None,
+              inplace_backward: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(loss, logits) through the head w: `linear_cross_entropy` with labels, else
+    (None, linear.linear(x, w): the logits, a sink weight's gradient written by the GEMM)."""
+    if labels_T is None:
+        return None, module_linear(x_TH, w_VH)
+    return linear_cross_entropy(x_TH, w_VH, labels_T, inplace_backward=inplace_backward)
