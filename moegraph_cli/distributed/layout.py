@@ -1,6 +1,9 @@
-"""--nproc / --ep checks that need no torch (`moegraph plan` runs them on any machine)."""
+"""--nproc / --ep checks that need no torch (`moegraph plan` runs them on any machine), and
+how the experts are laid out over their replicas (the one question here that asks torch)."""
 
 from __future__ import annotations
+
+import functools
 
 from ..errors import UsageError
 
@@ -21,6 +24,29 @@ def check_parallelism(world: int, ep: int, num_experts: int) -> None:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@functools.lru_cache(maxsize=None)
+def per_parameter_mesh() -> bool:
+    """Whether this torch's FSDP2 can put some of a unit's parameters on a mesh of their own
+    (`shard_placement_fn` returning a ShardPlacementResult; torch 2.13 can, 2.11 cannot).
+    Imports torch's FSDP2: asked only where 1 < ep < world."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: F401
+            FSDPMeshInfo, ShardPlacementResult)
+    except ImportError:
+        return False
+    return True
+
+
+def experts_sharded(world: int, ep: int) -> bool:
+    """Whether each expert is FSDP2-sharded over its world / ep replicas (distributed/model.py):
+    with ep == 1 the replicas are the layer unit's own mesh, any FSDP2 shards them; with
+    1 < ep < world only a torch with a per-parameter mesh can, and on another the experts stay
+    whole on every replica (plain tensors, their gradients all-reduced in fp32). The planner
+    asks the same question, so a plan charges what this torch will run."""
+    replicas = world // ep
+    return replicas > 1 and (ep == 1 or per_parameter_mesh())
 
 
 def expert_shard_dim(local_experts: int, replicas: int, row_sizes) -> int:

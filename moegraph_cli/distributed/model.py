@@ -76,7 +76,7 @@ from ..config import read_hf_config
 from ..models import DTYPES, MoeCausalLM
 from ..models.common.init import (dim0_chunk, is_expert_stack, seeded_init_, shard_chunk,
                                   shard_dim)
-from .layout import expert_shard_dim
+from .layout import expert_shard_dim, experts_sharded
 from .runtime import Runtime
 
 if TYPE_CHECKING:
@@ -153,10 +153,11 @@ def _shard(model: MoeCausalLM, rt: Runtime) -> None:
     """fully_shard every decoder layer, the embedding, the head and the root (see the
     module docstring)."""
     experts = set(expert_parameters(model))
-    placement = None
-    if experts and rt.dp_size > 1:
-        placement = _expert_placement(rt, experts, expert_dim(model, rt))
-    sharded = bool(experts) and rt.dp_size > 1 and (rt.ep_size == 1 or placement is not None)
+    sharded = bool(experts) and experts_sharded(rt.world, rt.ep_size)
+    placement = _expert_placement(rt, experts, expert_dim(model, rt)) if sharded else None
+    if sharded and rt.ep_size > 1 and placement is None:
+        raise RuntimeError("FSDP2 has a per-parameter mesh (layout.per_parameter_mesh) but "
+                           "no expert placement was built")
     plain = set() if sharded else experts
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     units = []

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..distributed.layout import expert_shard_dim
+from ..distributed.layout import expert_shard_dim, experts_sharded
 from ..models.common.shapes import param_shapes
 from ..config import Profile
 from ..report.summary import DTYPE_BYTES, layer_shapes
@@ -105,6 +105,9 @@ class FsdpLayout:
     expert_block: int  # elements of the largest local expert stack [E_l, 2F, H]
     embed: FsdpUnit | None = None  # untied head: the embedding's unit
     head: FsdpUnit | None = None  # untied head: the final norm's and lm head's unit
+    # experts whole on each of their dp > 1 replicas (a torch without a per-parameter mesh):
+    # the trainer all-reduces their grads after the backward, one fp32 copy at a time
+    replicated_experts: bool = False
 
     def units(self) -> tuple[FsdpUnit, ...]:
         return tuple(u for u in (self.root, self.embed, self.head) if u is not None) + \
@@ -248,6 +251,9 @@ class FsdpLayout:
             top = live - head_grad + b * root.numel + self.reduce_scatter(root)
             if top > peak:
                 peak, where = top, "reduce-scatter of the root"
+            live -= head_grad
+        if self.replicated_experts and live + 4 * self.expert_block > peak:
+            peak, where = live + 4 * self.expert_block, "all-reduce of the expert grads"
         return peak + self.side_streams(), where
 
 
@@ -255,7 +261,7 @@ def expert_dim(prof: Profile, parallel: Parallel) -> int:
     """The dim the run's expert stacks are FSDP2-sharded on (distributed/layout.py's rule, as
     distributed/model.py applies it)."""
     c = prof.model
-    if not c.num_experts:
+    if not c.num_experts or not experts_sharded(parallel.world, parallel.ep):
         return 0
     rows = {shape[1] for name, shape in param_shapes(c).items()
             if name.endswith(EXPERT_STACKS) and len(shape) > 1}
@@ -281,6 +287,7 @@ def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
     gathered per layer like the dense parameters, moving parameters of the moe graphs."""
     c, b, W = prof.model, DTYPE_BYTES[prof.run.dtype], parallel.world
     dp = W // parallel.ep
+    sharded = experts_sharded(W, parallel.ep)  # else whole on each replica, outside FSDP2
     dim = expert_dim(prof, parallel)
     shapes = param_shapes(c)
     numel: dict[str, int] = {}
@@ -294,7 +301,7 @@ def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
         else:
             unit = outer.get(name, "root") if split else "root"
         if name.endswith(EXPERT_STACKS):
-            if dp == 1:
+            if not sharded:
                 continue  # plain stacks at stable addresses, no FSDP2
             local = local_expert_shape(shape, parallel)
             numel[unit] = numel.get(unit, 0) + math.prod(local)
@@ -311,7 +318,7 @@ def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
         for name, shape in layer_shapes(c, i).items():
             kind = name.split(".")[0]
             if name.endswith(EXPERT_STACKS):
-                dense_part = math.prod(local_expert_shape(shape, parallel)) if dp > 1 else 0
+                dense_part = math.prod(local_expert_shape(shape, parallel)) if sharded else 0
             else:
                 dense_part = math.prod(shape)
             per_kind[kind] = per_kind.get(kind, 0) + dense_part
@@ -325,12 +332,13 @@ def fsdp_layout(prof: Profile, parallel: Parallel) -> FsdpLayout:
         return FsdpUnit(name, numel.get(name, 0), shard.get(name, 0), W)
 
     return FsdpLayout(
-        b=b, world=W, dp=W // parallel.ep, root=outer_unit("root"), layers=units,
+        b=b, world=W, dp=dp, root=outer_unit("root"), layers=units,
         kind_dense=kind_dense, head_grad=b * math.prod(head),
         expert_block=(c.num_experts // parallel.ep) * 2 * c.moe_intermediate_size
         * c.hidden_size,
         embed=outer_unit("embed") if split else None,
-        head=outer_unit("head") if split else None)
+        head=outer_unit("head") if split else None,
+        replicated_experts=dp > 1 and not sharded)
 
 
 def static_per_rank(prof: Profile, parallel: Parallel) -> tuple[dict[str, int], dict]:
@@ -344,10 +352,12 @@ def static_per_rank(prof: Profile, parallel: Parallel) -> tuple[dict[str, int], 
         else:
             dense += math.prod(shape)
             dense_shard += shard_numel(shape, W)
-    # each rank's slice of its E / P experts: FSDP2-sharded over the dp = W / P replicas
+    # each rank's slice of its E / P experts: FSDP2-sharded over the dp = W / P replicas, or
+    # whole on each where this torch cannot (distributed/layout.experts_sharded)
     dim = expert_dim(prof, parallel)
+    sharded = experts_sharded(W, parallel.ep)
     local_experts = sum(expert_shard_numel(local_expert_shape(shape, parallel),
-                                           W // parallel.ep, dim)
+                                           W // parallel.ep if sharded else 1, dim)
                         for name, shape in param_shapes(c).items()
                         if name.endswith(EXPERT_STACKS))
     n = dense_shard + local_experts
@@ -360,8 +370,9 @@ def static_per_rank(prof: Profile, parallel: Parallel) -> tuple[dict[str, int], 
         "local_experts": c.num_experts // parallel.ep if c.num_experts else 0,
         "dense_bytes": 4 * b * dense_shard, "expert_bytes": 4 * b * local_experts,
         "expert_replicas": W // parallel.ep, "expert_shard_dim": dim,
+        "experts_sharded": sharded,
         "padding_replicas": padding_replicas(c.num_experts // parallel.ep, W // parallel.ep)
-        if c.num_experts and dim == 0 else 0,
+        if c.num_experts and sharded and dim == 0 else 0,
     }
     return static, breakdown
 

@@ -386,6 +386,9 @@ def _replicas(sb: dict) -> str:
     replicas, idle = sb.get("expert_replicas", 1), sb.get("padding_replicas", 0)
     if replicas <= 1:
         return ""
+    if sb.get("experts_sharded") is False:  # distributed/layout.experts_sharded
+        return (f", whole on each of {replicas} replicas (this torch's FSDP2 has no "
+                "per-parameter mesh; their gradients are all-reduced)")
     if sb.get("expert_shard_dim") == 1:  # distributed/layout.expert_shard_dim
         return f", each expert's rows sharded over {replicas} replicas"
     text = f", sharded over {replicas} replicas"

@@ -18,6 +18,12 @@ import torch
 import torch.distributed as dist
 
 from gloo_util import run_gloo
+from torch_caps import needs_mesh
+
+from moegraph_cli.distributed.layout import experts_sharded
+
+# On a torch without FSDP2's per-parameter mesh the tests against one process check the
+# experts kept whole on every replica instead (experts_sharded).
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,8 +68,10 @@ def _against_one_process(rank, world, ep, steps, profile="tiny-qwen3-moe", extra
     spec, rt = _setup(ep, extra, profile=profile)
     model = build_model(spec, rt.device, rt=rt)
     experts = expert_parameters(model)
-    assert experts and all(is_sharded(p) for p in experts) == (world > ep)
-    assert {shard_dim(p) for p in experts} == {dim}  # whole experts (0) or their rows (1)
+    sharded = experts_sharded(world, ep)
+    assert experts and all(is_sharded(p) for p in experts) == sharded
+    # whole experts (0) or their rows (1)
+    assert {shard_dim(p) for p in experts} == {dim if sharded else 0}
     trainer = make_trainer(model, LR, 0.1, rt)
     single = build_model(spec, torch.device("cpu"))
     reference = Trainer(single, LR, 0.1)
@@ -159,6 +167,7 @@ def _expert_bytes(rank, world, ep, out):
         out.write_text(json.dumps(everyone))
 
 
+@needs_mesh
 def test_expert_bytes_per_rank_halve_when_replicas_double(tmp_path):
     """World 2 / ep 2 (experts plain) against world 4 / ep 2 (each expert on 2 ranks): every
     rank's expert weights, gradients and AdamW states take half the bytes."""
@@ -175,6 +184,29 @@ def test_expert_bytes_per_rank_halve_when_replicas_double(tmp_path):
         assert {r[key] for r in two} == {two[0][key]}
         assert {r[key] for r in four} == {two[0][key] // 2}, key
     assert two[0]["adam"] == 2 * two[0]["weights"]
+
+
+def _without_mesh(rank, world, ep, fn, *args):
+    """`fn` on a rank whose torch is taken to have no per-parameter mesh (as torch 2.11)."""
+    from moegraph_cli.distributed import layout
+
+    layout.per_parameter_mesh = lambda: False
+    fn(rank, world, ep, *args)
+
+
+def test_experts_whole_on_each_replica_without_a_per_parameter_mesh(tmp_path):
+    """4 ranks, ep 2, on a torch taken to have no per-parameter mesh: each rank keeps its
+    experts whole (plain tensors, gradients all-reduced over the 2 replicas), trains like one
+    process, and stores what `plan` counts for it on such a torch (twice a sharded run's)."""
+    run_gloo(_without_mesh, 4, 2, _against_one_process, 2)
+    out = tmp_path / "bytes.json"
+    run_gloo(_without_mesh, 4, 2, _storage_bytes, [], out)
+    doc = json.loads(out.read_text())
+    ranks, plan = doc["ranks"], doc["plan"]
+    assert plan["experts_sharded"] is False and plan["padding_replicas"] == 0
+    # 2 layers x 4 local experts x (w_gate_up [32, 32] + w_down [32, 16]) fp32, whole
+    assert {r["stored"] for r in ranks} == {2 * 4 * (32 * 32 + 32 * 16) * 4}
+    assert plan["expert_params_per_rank"] * 4 == ranks[0]["stored"]
 
 
 def _storage_bytes(rank, world, ep, extra, out):
@@ -229,7 +261,8 @@ def _load_checkpoint(rank, world, ep, path, dim):
 
     spec, rt = _setup(ep, checkpoint=str(path))
     model = build_model(spec, rt.device, rt=rt)
-    assert {shard_dim(p) for p in expert_parameters(model)} == {dim}
+    want = dim if experts_sharded(world, ep) else 0
+    assert {shard_dim(p) for p in expert_parameters(model)} == {want}
     full = dict(MoeCausalLM.from_pretrained(path, dtype="float32").named_parameters())
     for name, p in model.named_parameters():
         assert torch.equal(_whole(name, p, rt), full[name].detach()), name
@@ -266,8 +299,10 @@ def _graphed_against_eager(rank, world, ep, extra, steps):
                                                        world=world)), rt), session.failure
     tg.session = session
     moe = [s for s in session.scopes if s.kind == "moe"]
-    # the sharded experts are graph inputs (FSDP2 re-allocates their unsharded storage)
-    assert all({"w_gate_up", "w_down"} <= set(s.moving_names) for s in moe)
+    # sharded experts are graph inputs (FSDP2 re-allocates their unsharded storage); whole
+    # ones are read in place
+    moving = [{"w_gate_up", "w_down"} <= set(s.moving_names) for s in moe]
+    assert moving == [experts_sharded(world, ep)] * len(moe)
     assert not any(grads.marked(p) for p in graphed.parameters())  # no gradient sinks
     ie = batches(128, 2, 16, 1, "cpu", rank=rank, world=world)
     ig = batches(128, 2, 16, 1, "cpu", rank=rank, world=world)

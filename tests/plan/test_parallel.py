@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from cli_util import run_cli
+from torch_caps import needs_mesh
 from gloo_util import run_gloo
 
 from moegraph_cli.config import load_profile
@@ -105,6 +106,7 @@ def test_padding_replicas_follow_torch_chunk():
             assert padding_replicas(experts, replicas) == (0 if replicas == 1 else empty)
 
 
+@needs_mesh
 def test_expert_memory_keeps_falling_past_one_expert_a_replica():
     """deepseek-v3 at ep 64 holds 4 experts a layer a rank: over 4 replicas (256 ranks) whole
     experts, over 16 (1024 ranks) the rows of each, so the experts' bytes still fall 4x; the
@@ -124,6 +126,34 @@ def test_expert_memory_keeps_falling_past_one_expert_a_replica():
     code, out, err = run_cli(*args, "--json")
     assert code == 0, err
     assert json.loads(out)["static_breakdown"]["expert_shard_dim"] == 1
+
+
+@needs_mesh
+def test_experts_whole_on_each_replica_without_a_per_parameter_mesh(monkeypatch):
+    """On a torch whose FSDP2 has no per-parameter mesh (2.11), 1 < ep < world keeps every
+    expert whole on each replica (distributed/layout.experts_sharded): the plan counts them
+    whole, leaves them out of the layers' units, charges the trainer's fp32 all-reduce copy,
+    and says so. ep 1 and ep == world are the same on any torch."""
+    from moegraph_cli.distributed import layout
+    from moegraph_cli.plan.parallel import fsdp_layout
+
+    prof = load_profile(QWEN)
+    sharded = static_per_rank(prof, Parallel(16, 8))[1]
+    ep1 = static_per_rank(prof, Parallel(16, 1))[1]
+    monkeypatch.setattr(layout, "per_parameter_mesh", lambda: False)
+    whole = static_per_rank(prof, Parallel(16, 8))[1]
+    assert sharded["experts_sharded"] and not whole["experts_sharded"]
+    assert whole["expert_bytes"] == 2 * sharded["expert_bytes"]
+    assert static_per_rank(prof, Parallel(16, 1))[1] == ep1
+    f = fsdp_layout(prof, Parallel(16, 8))
+    assert f.replicated_experts and not f.kind_dense["moe"] > 128 * 2048 + 2048
+    assert all(u.rows == 0 for u in f.layers)
+    assert not fsdp_layout(prof, Parallel(16, 1)).replicated_experts
+    code, out, err = run_cli("plan", "-p", QWEN, "--budget", "120GiB", "--nproc", "16",
+                             "--ep", "8", "--set", "run.seq_len=1024")
+    assert code == 0, err
+    assert "16 experts a layer, whole on each of 2 replicas (this torch's FSDP2 has no " \
+        "per-parameter mesh; their gradients are all-reduced)" in " ".join(out.split())
 
 
 def test_rows_that_do_not_split_leave_replicas_padding():
@@ -453,6 +483,7 @@ def test_expert_shard_dim_rule():
     assert expert_shard_dim(1, 3, {30}) == 1 and expert_shard_dim(1, 3, {31}) == 0
 
 
+@needs_mesh
 def test_row_sharded_experts_charge_their_copies():
     """FSDP2 copies a dim-1 shard's all-gather out through a temporary of the stack's size,
     and its gradient into dim-0 order through another: both charged to the layer's unit."""
