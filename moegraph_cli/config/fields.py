@@ -109,7 +109,12 @@ def coerce(where: str, value, typ):
         args = [a for a in typing.get_args(typ) if a is not type(None)]
         if value is None:
             return None
-        return coerce(where, value, args[0])
+        for arg in args[:-1]:  # the first type that takes the value (int | str: 4096, auto)
+            try:
+                return coerce(where, value, arg)
+            except UsageError:
+                pass
+        return coerce(where, value, args[-1])
     if origin is list:
         (inner,) = typing.get_args(typ)
         if not isinstance(value, list):

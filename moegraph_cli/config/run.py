@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 
 from ..io.documents import show
-from .fields import BOUNDS, check_int_sizes, invalid
+from .fields import BOUNDS, MAX_INT, check_int_sizes, invalid, is_int
 
 
 # What recompute may do to one scope, per scope kind (models/common/recompute.py).
@@ -45,6 +45,11 @@ class RunConfig:
     # (their largest saved tensor), attn+fc1 both of those. auto: none unless a plan chooses
     # it per layer (`moegraph plan` does where the budget needs it); none: never.
     recompute: str = "auto"
+    # The lm head and loss in chunks of this many rows (models/common/loss_chunked.py): no
+    # [tokens, vocab] logits are kept, one chunk's at a time; 0: the logits whole. auto: whole
+    # unless a plan chooses chunks (`moegraph plan` does where the budget needs it, before
+    # any recompute).
+    loss_chunk: typing.Union[int, str] = "auto"
     # Settings graph capture refuses (fail closed at plan and capture time):
     fp8: bool = False
     pipeline_interleave: int = 1
@@ -74,6 +79,10 @@ class RunConfig:
         if self.recompute not in RECOMPUTE:
             raise invalid("recompute", f"run.recompute {show(self.recompute)} must be one of "
                           + ", ".join(RECOMPUTE))
+        if self.loss_chunk != "auto" and not (is_int(self.loss_chunk) and
+                                              0 <= self.loss_chunk <= MAX_INT):
+            raise invalid("loss_chunk", f"run.loss_chunk {show(self.loss_chunk)} must be auto, "
+                          "0 (the logits whole) or a positive number of rows")
         if self.data is not None and not self.data.strip():
             raise invalid("data", "run.data is empty; give a .pt or .bin token file, or null "
                           "for synthetic batches")

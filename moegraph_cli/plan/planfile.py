@@ -10,6 +10,7 @@
        groups: {layers.0.attn: shared, layers.0.moe: shared}, predicted_bytes: B,
        recompute: {attn: full, moe: fc1}}   # optional; absent or {}: none
     left_out: ["moe on layers 6-11: ..."]
+    loss_chunk: 4096                # optional; rows a chunk of the loss-only head, 0: whole
 
 `groups` maps a model scope name (layers.N.attn, layers.N.moe or layers.N.mlp) to its pool
 group; null means private pools (per_entry), whose pools are named `<scope>.fwd` / `.bwd`.
@@ -63,6 +64,11 @@ class Plan:
         every layer of the plan is listed, {} for none."""
         return {int(layer["layer"]): dict(layer.get("recompute") or {})
                 for layer in self.layers}
+
+    def loss_chunk(self) -> int:
+        """Rows a chunk of the loss-only head (models/common/loss_chunked.py); 0 (and a plan
+        written before the field): the logits whole."""
+        return int(self.extra.get("loss_chunk") or 0)
 
     def predicted_pool_bytes(self) -> dict[str, int]:
         return dict(self.pools)
@@ -149,6 +155,10 @@ def load_plan(path: str | Path, profile: Profile, world: int = 1, ep: int = 1) -
             if group is not None and not isinstance(group, str):
                 raise UsageError(f"{at(where, groups, name)}: the pool group of {name} must be "
                                  f"a name or null, got {show(group)}")
+    chunk = raw.get("loss_chunk", 0)
+    if not (is_int(chunk) and chunk >= 0):
+        raise UsageError(f"{at(where, raw, 'loss_chunk')}: field 'loss_chunk' must be 0 (the "
+                         f"logits whole) or a positive number of rows, got {show(chunk)}")
     extra = {k: v for k, v in raw.items()
              if k not in ("moegraph_plan", "key", "pool", "layers", "pools", "predicted_peak",
                           "budget")}

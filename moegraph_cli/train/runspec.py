@@ -76,7 +76,8 @@ def pick_device(name: str = "auto", need_cuda: bool = False) -> torch.device:
 def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt=None,
                 plan=None):
     """The model of this process: whole, or (distributed, `rt`) this rank's shard, with
-    run.recompute set on every layer, or, with a plan (plan/planfile.Plan), each layer's.
+    run.recompute set on every layer, or, with a plan (plan/planfile.Plan), each layer's, and
+    the loss head's chunk rows (run.loss_chunk, or the plan's).
     Weights from a checkpoint are refused if any is NaN or infinite (one line naming the HF
     tensor): capture, profile and verify all build their model here."""
     from ..models.common.recompute import set_recompute
@@ -99,4 +100,13 @@ def build_model(spec: RunSpec, device: torch.device, seed: int | None = None, rt
         set_recompute(model, plan.layer_recompute())
     elif modes:
         set_recompute(model, {i: modes for i in range(len(model.layers))})
+    model.loss_chunk = loss_chunk_rows(prof.run.loss_chunk, plan)
     return model
+
+
+def loss_chunk_rows(setting, plan=None) -> int:
+    """Rows a chunk of the loss-only head (0: the logits whole): a plan's choice, else
+    run.loss_chunk, where `auto` without a plan is 0."""
+    if plan is not None:
+        return plan.loss_chunk()
+    return 0 if setting == "auto" else int(setting)

@@ -1,5 +1,6 @@
 """The whole-step graph on the GPU: replays equal eager steps bit for bit (losses and the
-parameters after the Triton AdamW), with grad accumulation too; the step pool is measured."""
+parameters after the Triton AdamW), with grad accumulation too, and with the loss head in
+row chunks; the step pool is measured."""
 
 import pytest
 import torch
@@ -11,9 +12,12 @@ from moegraph_cli.train.trainer import batches
 pytestmark = pytest.mark.cuda
 
 
+@pytest.mark.parametrize("loss_chunk", [0, 192])  # 192: two chunks of 512 rows and a part
 @pytest.mark.parametrize("grad_accum", [1, 2])
-def test_whole_step_graph_matches_eager_bitwise(grad_accum):
+def test_whole_step_graph_matches_eager_bitwise(grad_accum, loss_chunk):
     models = [MoeCausalLM.from_profile("tiny-qwen3-moe", device="cuda") for _ in range(2)]
+    for m in models:
+        m.loss_chunk = loss_chunk  # the loss-only head in row chunks (loss_chunked.py)
     te = GraphTrainer(models[0], lr=1e-4, grad_accum=grad_accum)
     tg = GraphTrainer(models[1], lr=1e-4, grad_accum=grad_accum)
     graph = step_graph(tg)

@@ -87,6 +87,9 @@ class MoeCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else \
             LmHead(cfg.hidden_size, cfg.vocab_size)
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Rows a chunk of the loss-only head (loss_chunked.py) when no logits are kept; 0: the
+        # whole [T, V] logits at once. Set from run.loss_chunk (train/runspec.build_model).
+        self.loss_chunk = 0
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -151,7 +154,8 @@ class MoeCausalLM(nn.Module):
         """Logits, and with `labels` the loss (loss.linear_cross_entropy: the lm head and the
         fp32 cross-entropy without fp32 [tokens, vocab] logits) plus the weighted aux loss.
         `keep_logits=False` (the trainers): the loss's backward overwrites the logits' buffer
-        with their gradient, and no logits are returned."""
+        with their gradient, or with `loss_chunk` > 0 the head runs in chunks of that many
+        rows and holds no [T, V] logits (loss_chunked.py); no logits are returned."""
         x_BSH = self.embed_tokens(input_ids)
         self.rope_tables(input_ids.shape[1], x_BSH.dtype, x_BSH.device)
         aux_stats: list[torch.Tensor] = []
@@ -165,11 +169,13 @@ class MoeCausalLM(nn.Module):
             aux = aux_loss_from_stats(aux_stats, input_ids.numel() * self.aux_world,
                                       self.aux_reduce)
         shifted = None if labels is None else causal_shift(labels.to(x_BSH.device))
+        chunk = 0 if keep_logits else self.loss_chunk
         if self.lm_head is None:  # tied: the embedding's weight
             loss, logits = head_loss(x_BSH, self.embed_tokens.weight, shifted,
-                                     inplace_backward=not keep_logits)
+                                     inplace_backward=not keep_logits, chunk_rows=chunk)
         else:
-            loss, logits = self.lm_head(x_BSH, shifted, inplace_backward=not keep_logits)
+            loss, logits = self.lm_head(x_BSH, shifted, inplace_backward=not keep_logits,
+                                        chunk_rows=chunk)
         if loss is not None:
             if not keep_logits:
                 logits = None

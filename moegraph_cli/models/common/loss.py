@@ -12,9 +12,10 @@ Memory, with T tokens, V vocab, logits in bf16 (2 bytes):
   `inplace_backward=True`, where dlogits overwrites the logits buffer (the returned logits
   then hold dlogits once backward has run: only for callers done with them by then).
   The fp32 path peaks at about 16 B/element (fp32 grad, softmax, the bf16 cast).
-The logits GEMM is not chunked over rows: the logits are returned, so the full [T, V] buffer
-exists anyway, and chunking would only add launches. A loss-only variant could chunk and
-recompute (or compute dlogits in the forward) to bound it; nothing needs that yet.
+The logits GEMM is not chunked over rows here: the logits are returned, so the full [T, V]
+buffer exists anyway. The loss-only head of loss_chunked.py (`head_loss(..., chunk_rows=N)`,
+`run.loss_chunk`) runs it in row chunks with dlogits and both gradient GEMMs in the forward,
+holding one chunk's logits instead of all of them.
 
 Gradients: dx = dlogits @ w; dW = dlogits^T @ x through `grads.mm_grad`, so a sink parameter
 gets it written (or accumulated) into `w.grad` and autograd gets None (see grads.py). A tied
@@ -128,15 +129,23 @@ class LmHead(torch.nn.Linear):
         super().__init__(hidden, vocab, bias=False)
 
     def forward(self, x_TH: torch.Tensor, labels_T: torch.Tensor | None = None, *,
-                inplace_backward: bool = False
-                ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        return head_loss(x_TH, self.weight, labels_T, inplace_backward)
+                inplace_backward: bool = False, chunk_rows: int = 0
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return head_loss(x_TH, self.weight, labels_T, inplace_backward, chunk_rows)
 
 
 def head_loss(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor | None,
-              inplace_backward: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+              inplace_backward: bool = False, chunk_rows: int = 0
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(loss, logits) through the head w: `linear_cross_entropy` with labels, else
-    (None, linear.linear(x, w): the logits, a sink weight's gradient written by the GEMM)."""
+    (None, linear.linear(x, w): the logits, a sink weight's gradient written by the GEMM).
+    `chunk_rows` > 0 with labels: (loss, None) of loss_chunked.py's head, `chunk_rows` rows at
+    a time, no logits kept (for callers that want none: the trainers)."""
     if labels_T is None:
         return None, module_linear(x_TH, w_VH)
+    if chunk_rows > 0:
+        from .loss_chunked import chunked_linear_cross_entropy
+        return chunked_linear_cross_entropy(
+            x_TH, w_VH, labels_T, chunk_rows,
+            use_triton=_use_triton("auto", x_TH.device)), None
     return linear_cross_entropy(x_TH, w_VH, labels_T, inplace_backward=inplace_backward)
