@@ -320,14 +320,40 @@ def mlp_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
                        saves_input=fused or b == 4)
 
 
-def tail_memory(prof: Profile, sinks: bool = True, device_type: str = "cuda") -> dict[str, int]:
+def loss_chunk_of(prof: Profile) -> int:
+    """The rows a chunk of the loss head that run.loss_chunk fixes (auto: 0, the logits
+    whole, unless a plan chooses chunks: planner.py)."""
+    setting = prof.run.loss_chunk
+    return 0 if setting == "auto" else int(setting)
+
+
+def tail_memory(prof: Profile, sinks: bool = True, device_type: str = "cuda",
+                chunk_rows: int | None = None) -> dict[str, int]:
     """Final norm, lm head and loss.linear_cross_entropy (the trainers' keep_logits=False):
     the logits [T, V] in the model dtype are the only [T, V] tensor; their gradient
     overwrites them in backward; fp32 exists per row only (lse, per-token loss). `sinks`
-    (one process): the lm head's dW is written into `.grad` by its GEMM, else returned."""
+    (one process): the lm head's dW is written into `.grad` by its GEMM, else returned.
+    `chunk_rows` > 0 (None: run.loss_chunk's): loss_chunked.py's head, whose forward holds one
+    chunk's logits and keeps dx [T, H] and dW [V, H] for the backward instead of the logits
+    (`logits` then names those kept bytes; `biggest`: the largest one block of the tail)."""
     c, b, T = prof.model, DTYPE_BYTES[prof.run.dtype], prof.run.batch * prof.run.seq_len
     H, V = c.hidden_size, c.vocab_size
     fused = fused_norms(device_type)
+    rows = loss_chunk_of(prof) if chunk_rows is None else chunk_rows
+    tail = _whole_tail(b, T, H, V, fused, sinks)
+    if rows <= 0:
+        return tail
+    rows = min(rows, T)
+    return {**tail,
+            "logits": b * T * H + b * V * H,  # dx and dW, from the forward to the backward
+            # one chunk's logits (their dlogits written over them), its loss and lse
+            "loss_fwd_transient": b * rows * V + 8 * T + 8 * rows,
+            "head_bwd_transient": 0,  # dx and dW are scaled in place (a sink's: into .grad)
+            "biggest": max(b * rows * V, b * V * H),
+            "chunk_rows": rows}
+
+
+def _whole_tail(b: int, T: int, H: int, V: int, fused: bool, sinks: bool) -> dict[str, int]:
     return {
         # the final norm (fused: its input, the last layer's output, and rstd), the lm-head
         # input, the labels
@@ -340,6 +366,8 @@ def tail_memory(prof: Profile, sinks: bool = True, device_type: str = "cuda") ->
         # dX, and the lm head's dW where it is returned rather than written
         "head_bwd_transient": b * T * H + (0 if sinks else b * V * H),
         "embed_bwd_transient": b * V * H + 4 * T * H + 32 * T,  # dense grad, fp32 partials
+        "biggest": b * T * V,
+        "chunk_rows": 0,
     }
 
 

@@ -183,13 +183,13 @@ class StepModel:
 
     def headroom(self) -> int:
         """Under a memory cap the caching allocator must still find the step's largest block
-        (the logits [T, V], or one layer's expert weight grad) in one piece, and
-        cached, partly used segments can strand about that much: measured on the H200, a
-        12-layer Qwen3-30B step whose unconstrained reserved peak was 75.3 GiB ran out of
-        memory under a 76.2 GiB cap while allocating its 2.3 GiB log-softmax. A plan keeps
-        this much beyond its predicted peak."""
+        (the logits [T, V] or a chunk of them, or one layer's expert weight grad) in one
+        piece, and cached, partly used segments can strand about that much: measured on the
+        H200, a 12-layer Qwen3-30B step whose unconstrained reserved peak was 75.3 GiB ran
+        out of memory under a 76.2 GiB cap while allocating its 2.3 GiB log-softmax. A plan
+        keeps this much beyond its predicted peak."""
         biggest_param = max((self._param_block(k) for k in self.kinds), default=0)
-        room = max(self.tail["loss_saved"], self.tail["logits"], biggest_param)
+        room = max(self.tail["loss_saved"], self.tail["biggest"], biggest_param)
         if self.fsdp is not None:  # FSDP2's flat fp32 reduce-scatter input of the root
             room = max(room, self.fsdp.largest_block())
         return room

@@ -149,6 +149,8 @@ def plan_result(r: dict, as_json: bool) -> None:
               markup=False)
     if r.get("recompute_why"):
         out.print(f"recompute: {r['recompute_why']}", markup=False)
+    if r.get("loss_why"):
+        out.print(f"loss head: {r['loss_why']}", markup=False)
     for item in r.get("left_out", []):
         out.print(f"left out: {item}", markup=False)
     if r.get("out"):

@@ -26,9 +26,15 @@ def test_recipe_slice_fits_80gib_by_recompute_and_not_without():
     assert r["required_budget"] <= 80 * 2**30
     assert any(layer["recompute"] for layer in r["layers"])
     assert r["recompute_ms"] > 0 and "without it" in r["recompute_why"]
-    code, _, err = run_cli("plan", *TWELVE, "--set", "run.recompute=none")
+    code, _, err = run_cli("plan", *TWELVE, "--set", "run.recompute=none",
+                           "--set", "run.loss_chunk=0")
     assert code == 1 and len(err.strip().splitlines()) == 1
     assert "run.recompute=none" in err and "most of it static memory" in err
+    # the loss head in chunks (plan/loss_head.py) holds no logits: then it fits without
+    code, out, err = run_cli("plan", *TWELVE, "--set", "run.recompute=none", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["loss_chunk"] > 0 and not any(layer["recompute"] for layer in r["layers"])
 
 
 def test_no_recompute_where_the_budget_does_not_need_it():
