@@ -119,3 +119,25 @@ def test_untied_head_and_embedding_are_units_of_their_own(world, ep):
 
 def test_tied_head_stays_in_the_root():
     run_gloo(_tied_in_root, 2, 1)
+
+
+def _chunked_head_trains_alike(rank, world, ep):
+    """The loss head in row chunks (loss_chunked.py) under FSDP2: its dW, computed in the
+    forward and returned in the backward, is reduce-scattered as the whole head's is; the
+    steps match the whole head's to rounding."""
+    from moegraph_cli.train.trainer import batches
+
+    runs = {}
+    for chunk in (0, 12):  # 32 rows a rank: chunks of 12, 12 and 8
+        model, trainer = _build(world, ep, [f"run.loss_chunk={chunk}"])
+        assert model.loss_chunk == chunk
+        mine = batches(128, 2, 16, 3, "cpu", rank=rank, world=world)
+        losses = [trainer.step(next(mine)).item() for _ in range(2)]
+        runs[chunk] = (losses, [p.full_tensor().detach().clone() for p in model.parameters()])
+    assert runs[12][0] == pytest.approx(runs[0][0], rel=1e-5)
+    for a, b in zip(runs[12][1], runs[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_head_under_fsdp_trains_like_the_whole_head():
+    run_gloo(_chunked_head_trains_alike, 2, 1)
