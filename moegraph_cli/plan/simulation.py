@@ -141,7 +141,7 @@ class StepModel:
         graph_phase = static + pool_total + eager
         key = ("eager phase", self.recompute, id(self.scopes), self.static["total"],
                self.eager_offset, self.fragmentation, self.runtime,
-               tuple(id(m) for m in self.kinds.values()))
+               tuple(id(m) for m in self.kinds.values()), tuple(sorted(self.tail.items())))
         if key not in self.memo:
             self.memo[key] = self._eager_phase(
                 self._eager_dynamic((False,) * len(self.scopes))[0])

@@ -84,3 +84,17 @@ def test_plan_file_carries_the_head_to_the_model(tmp_path):
     path.write_text(text)
     with pytest.raises(UsageError, match="field 'loss_chunk' must be 0"):
         load_plan(path, spec.profile)
+
+
+def test_each_head_is_predicted_with_its_own_tail():
+    """The 12-layer slice at 4 x 4096 under 80 GiB: with the chunked head every scope is
+    captured and nothing recomputed. (The eager phase's memo once ignored the tail, so the
+    chunked head reused the whole head's eager peak and took recompute it did not need.)"""
+    r = _plan("-p", "qwen3-30b-a3b-12layer", "--budget", "80GiB", "--set", "run.batch=4",
+              "--set", "run.seq_len=4096")
+    assert r["loss_chunk"] == loss_head.AUTO_ROWS
+    assert not any(layer["recompute"] for layer in r["layers"]) and r["recompute_ms"] == 0
+    spec = resolve("qwen3-30b-a3b-12layer", overrides=["run.batch=4", "run.seq_len=4096"])
+    fresh = loss_head.with_head(step_model(spec.profile), loss_head.AUTO_ROWS)
+    captured = tuple(True for _ in fresh.scopes)
+    assert r["required_budget"] == fresh.predict(captured, r["pool"]).required
