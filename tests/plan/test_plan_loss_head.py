@@ -67,7 +67,7 @@ def test_chunked_tail_by_hand():
     chunked = loss_head.with_head(model, 2048)
     assert chunked.predict((False,) * len(model.scopes), "shared").eager_peak < eager
     assert loss_head.chunk_ms(model, 2048) == pytest.approx(
-        2 * b * (V + T) * H / 3e12 * 1e3 + 7 * 4 * 5e-3)
+        2 * b * (V + T) * H / 1e12 * 1e3 + 7 * 4 * 5e-3)
 
 
 def test_plan_file_carries_the_head_to_the_model(tmp_path):
