@@ -109,12 +109,14 @@ def coerce(where: str, value, typ):
         args = [a for a in typing.get_args(typ) if a is not type(None)]
         if value is None:
             return None
-        for arg in args[:-1]:  # the first type that takes the value (int | str: 4096, auto)
+        for arg in args:  # the first type that takes the value (int | str: 4096, auto)
             try:
                 return coerce(where, value, arg)
             except UsageError:
-                pass
-        return coerce(where, value, args[-1])
+                if len(args) == 1:
+                    raise
+        names = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+        raise UsageError(f"{where}: expected {names}, got {show(value)}")
     if origin is list:
         (inner,) = typing.get_args(typ)
         if not isinstance(value, list):

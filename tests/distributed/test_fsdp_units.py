@@ -139,5 +139,6 @@ def _chunked_head_trains_alike(rank, world, ep):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_chunked_head_under_fsdp_trains_like_the_whole_head():
-    run_gloo(_chunked_head_trains_alike, 2, 1)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_chunked_head_under_fsdp_trains_like_the_whole_head(world):
+    run_gloo(_chunked_head_trains_alike, world, 1)
