@@ -7,7 +7,8 @@ process, their graph replays' rounds interleaved: a kernel change judged where i
 
 SPEC is kernel_sweep.py's spelling of a candidate: `128x128x64x8x8x5` (a tile: bm, bn, bk,
 group, warps, stages; the default's variant kept), `+tma+persistent` (a variant: the default's
-tile kept; `+base` the pointer path) or both (`256x128x64x4x8x3+tma`). KERNEL is one of
+tile kept; `+base` the pointer path; `+keep+pf1` the default's variant plus pf1, whatever it
+is at each T) or both (`256x128x64x4x8x3+tma`). KERNEL is one of
 fc1, fc2, dact, dx, wgrad_down, wgrad_gate_up. Example:
 
     --alt dact5:dact=128x128x64x8x8x5 --alt dxp:dx=+tma+persistent
@@ -48,7 +49,12 @@ def parse_spec(spec: str, default):
                              "as 128x128x64x8x8x4")
         cfg = cfg._replace(**dict(zip(("block_m", "block_n", "block_k", "group_m",
                                        "num_warps", "num_stages"), map(int, fields))))
-    return cfg.with_variant(variant) if variant else cfg
+    if not variant:
+        return cfg
+    parts = variant.split("+")
+    if "keep" in parts:  # the default's own parts, plus the others named
+        parts = [p for p in parts if p != "keep"] + default.variant.split("+")
+    return cfg.with_variant("+".join(parts))
 
 
 def parse_alt(text: str) -> tuple[str, dict[str, str]]:

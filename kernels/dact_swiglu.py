@@ -13,6 +13,9 @@ F ffn width, E experts; all tensors row-major with a contiguous last dimension):
   those of a BN-wide tile's epilogue; each quarter writes its own dp_part column (`dp_tiles`).
   dY1 and A are those of the BN tile; dp_part sums its columns in other groups. No split tail
   with it.
+- `prefetch` 1 (GemmConfig, CUDA only): as a tile starts, its epilogue's Y1 lines (gate and
+  up, BM rows) are prefetched into L2 (l2_prefetch.py), so the epilogue's loads, issued after
+  the K loop, wait on the L2 rather than on device memory. No value changes.
 The gathered rows ride the A-tile load (`gathered_k_loop`, gathered_loop.py). Sentinel and
 padding rules, tile configs and the variants: gemm_config.py; launch and fallback:
 gemm_launch.py.
@@ -27,6 +30,7 @@ from . import gemm_launch as gl
 from . import tma
 from .gated_act import gated_backward, gated_forward
 from .gathered_loop import gathered_k_loop
+from .l2_prefetch import on_gpu, prefetch_l2
 from .gemm_config import GemmConfig, dact_config
 from .route_align import RouteList
 from .slot_schedule import (live_block_list, persistent_tile, program_tile,
@@ -70,6 +74,22 @@ def _dact_epilogue(
 
 
 @triton.jit
+def _prefetch_y1_tile(y1_ptr, offs_m, pid_n, ffn, stride_y1, BLOCK_N: tl.constexpr,
+                      EVEN_N: tl.constexpr):
+    """L2 prefetch of the Y1 lines a [BM, BLOCK_N] tile's epilogue reads: gate columns
+    pid_n * BLOCK_N + [0, BLOCK_N) and the same up columns F further, 64 bf16 (a 128-byte
+    line) at a time, each address clamped inside its row's half."""
+    LINES: tl.constexpr = BLOCK_N // 64
+    if LINES > 0:
+        offs_l = tl.arange(0, 2 * LINES)
+        col = pid_n * BLOCK_N + (offs_l % LINES) * 64
+        if not EVEN_N:
+            col = tl.minimum(col, ffn - 1)
+        col += (offs_l // LINES) * ffn
+        prefetch_l2(y1_ptr + offs_m.to(tl.int64)[:, None] * stride_y1 + col[None, :])
+
+
+@triton.jit
 def _dact_swiglu_tile(
     pid_m, pid_n, expert,
     dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
@@ -78,11 +98,13 @@ def _dact_swiglu_tile(
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
-    ROUTE_MASK: tl.constexpr, PAIRED: tl.constexpr,
+    ROUTE_MASK: tl.constexpr, PAIRED: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        _prefetch_y1_tile(y1_ptr, offs_m, pid_n, ffn, stride_y1, BLOCK_N, EVEN_N)
     tok = tl.load(slot_token_ptr + offs_m)
     row_ok = tok < num_tokens
     n_ok = offs_n < ffn
@@ -150,7 +172,7 @@ def _dact_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
-    PAIRED: tl.constexpr,
+    PAIRED: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -169,7 +191,8 @@ def _dact_swiglu_kernel(
                 slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PAIRED)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PAIRED,
+                PREFETCH)
             if TAIL == 2:
                 _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                                 stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -185,7 +208,8 @@ def _dact_swiglu_kernel(
             slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PAIRED)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PAIRED,
+            PREFETCH)
         if TAIL == 2:
             _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                             stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -230,6 +254,7 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
     num_tokens, hidden = dout_TH.shape
     ffn = w_down_EHF.shape[2]
     paired = paired_tile(ffn, cfg)
+    prefetch = 1 if cfg.prefetch and on_gpu(dout_TH) else 0
     # The kernel's tile: 2 BN wide when paired (no split tail then: its zero rows are written
     # per BN tile).
     tile = cfg._replace(block_n=2 * cfg.block_n, split_tail=False) if paired else cfg
@@ -253,7 +278,7 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            PAIRED=paired, **cfg.launch_options(), **meta)
+            PAIRED=paired, PREFETCH=prefetch, **cfg.launch_options(), **meta)
 
     gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, tile, grid, live_list, meta, plan,
                                            w_down_EHF.shape[0], ffn, dout_TH.device
