@@ -80,9 +80,10 @@ FC1_PAIRED = flag_from_env("MOEGRAPH_FC1_PAIRED", True)
 # stages: the product's choice in moe/experts.tile_configs unless MOEGRAPH_DACT_PAIRED=0.
 DACT_PAIRED = flag_from_env("MOEGRAPH_DACT_PAIRED", True)
 
-# dA's epilogue rows of Y1 prefetched into L2 as each tile starts (GemmConfig.prefetch = 1,
-# dact_swiglu.py): MOEGRAPH_DACT_PREFETCH=1 asks for it at 128-row blocks.
-DACT_PREFETCH = choice_from_env("MOEGRAPH_DACT_PREFETCH", (0, 1), 0)
+# dA's epilogue rows of Y1 prefetched into L2 as each tile starts (GemmConfig.prefetch 1), and
+# the paired tile's quarters loaded a quarter ahead (2): dact_swiglu.py.
+# MOEGRAPH_DACT_PREFETCH = 0, 1 or 2, at 128-row blocks.
+DACT_PREFETCH = choice_from_env("MOEGRAPH_DACT_PREFETCH", (0, 1, 2), 0)
 
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
 # compiled but its first launch failed with "operation not supported on global/shared address

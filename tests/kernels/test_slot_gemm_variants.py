@@ -762,35 +762,42 @@ def test_cuda_dact_paired_halves_are_bitwise_equal(case, variant, monkeypatch):
     _check_paired_dact(got, want, live, same)
 
 
-def test_dact_prefetch_is_gpu_only_and_changes_nothing_on_the_cpu():
-    """prefetch 1 issues an L2 hint only on a GPU (the interpreter runs no inline assembly):
-    here the launch runs without it and gives the default's bits."""
-    case = DACT_PAIR_CASES[1]
+@pytest.mark.parametrize("variant", ["pf1", "pair+pf1", "pair+pf2", "persistent+pair+pf2"])
+@pytest.mark.parametrize("case", DACT_PAIR_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_dact_prefetch_changes_nothing_on_the_cpu(case, variant):
+    """The L2 hint of prefetch 1 and 2 runs only on a GPU (the interpreter runs no inline
+    assembly); 2's quarters loaded a quarter ahead run here: the same tile's values without
+    them (NaN-started outputs, dead blocks' rows left NaN)."""
     want = _default(case, None)
     inputs = (want["fc1"][0], want["fc1"][1], want["dact"][0])
-    got = _run_kernels(case, None, _cfg(prefetch=1), inputs)
+    cfg = _cfg().with_variant(variant)
+    base = _run_kernels(case, None, cfg._replace(prefetch=0), inputs)["dact"]
+    got = _run_kernels(case, None, cfg, inputs)["dact"]
     live = _live_rows(_problem(case, None)[-1])
-    for g, w in zip(got["dact"], want["dact"]):
-        assert torch.equal(g[live], w[live])
+    for g, w in zip(got, base):
+        assert torch.isnan(g[~live]).all()
+        assert torch.equal(g[live], w[live]), variant
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["base", "pair", "tma+persistent+pair"])
+@pytest.mark.parametrize("variant", ["base+pf1", "pair+pf1", "tma+persistent+pair+pf1",
+                                     "pair+pf2", "tma+persistent+pair+pf2"])
 @pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
 def test_cuda_dact_prefetch_is_bitwise_equal(case, variant, monkeypatch):
-    """dact with its epilogue's Y1 lines prefetched into L2 as each tile starts: every output
-    (dY1, A and dp_part) bitwise the same variant's without, dead blocks' rows left NaN."""
+    """dact with its epilogue's Y1 lines prefetched into L2 as each tile starts (and with 2
+    the quarters' Y1 a quarter ahead): every output (dY1, A and dp_part) bitwise the same
+    variant's without, dead blocks' rows left NaN."""
     monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
     base = _gpu_default_config("dact", case)._replace(paired=False)
     if "pair" in variant and case[-1] % (2 * base.block_n):
         pytest.skip("2 BN does not divide F")
     cfg = base.with_variant(variant)
     y1 = _gpu_kernel("fc1", case, _gpu_default_config("fc1", case), None)[0]
-    want = _gpu_kernel("dact", case, cfg, {"y1": y1})
-    got = _gpu_kernel("dact", case, cfg._replace(prefetch=1), {"y1": y1})
+    want = _gpu_kernel("dact", case, cfg._replace(prefetch=0), {"y1": y1})
+    got = _gpu_kernel("dact", case, cfg, {"y1": y1})
     torch.cuda.synchronize()
     assert not gl.LAST_PLAN["dact"].fallback
     live = _live_rows(_gpu_problem(case)[-1])
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.isnan(g[~live]).all(), f"output {i}: a dead block's row written"
-        assert torch.equal(g[live], w[live]), f"output {i} under {variant}+pf1"
+        assert torch.equal(g[live], w[live]), f"output {i} under {variant}"
