@@ -102,8 +102,7 @@ def dact_source(cfg, route_block: int):
                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=H % cfg.block_k == 0,
                   EVEN_N=F % bn == 0, USE_TMA=use_tma, PERSISTENT=cfg.persistent,
                   FLATTEN=cfg.persistent and cfg.flatten, LIST_CHUNK=1024, CLAMPED=False,
-                  TAIL=0, PAIRED=paired, L2_HINT=bool(cfg.prefetch),
-                  QUARTERS_AHEAD=paired and cfg.prefetch == 2)
+                  TAIL=0, PAIRED=paired)
     types = {"dp_ptr": "*fp32", "alpha": "fp32", "limit": "fp32",
              "w_desc": f"tensordesc<bf16[{cfg.block_k}, {bn}]>" if use_tma else "*bf16"}
     return _source(fn, consts, types, odd=("num_experts",)), cfg
@@ -119,8 +118,7 @@ def wgrad_source(cfg, down: bool, route_block: int):
     consts = dict(GATHER_L=down, GATHER_R=not down, ACCUMULATE=False, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   PADDED=padded, L_TMA=l_tma, R_TMA=r_tma, OUT_TMA=cfg.store_tma,
-                  PERSISTENT=cfg.persistent,
-                  PREFETCH=cfg.prefetch if cfg.persistent and padded else 0)
+                  PERSISTENT=cfg.persistent)
     types = {"l_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_m}]>" if l_tma else "*bf16",
              "r_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_n}]>" if r_tma else "*bf16",
              "dw_desc": (f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>" if cfg.store_tma

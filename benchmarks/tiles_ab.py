@@ -7,8 +7,8 @@ process, their graph replays' rounds interleaved: a kernel change judged where i
 
 SPEC is kernel_sweep.py's spelling of a candidate: `128x128x64x8x8x5` (a tile: bm, bn, bk,
 group, warps, stages; the default's variant kept), `+tma+persistent` (a variant: the default's
-tile kept; `+base` the pointer path; `+keep+pf1` the default's variant plus pf1, whatever it
-is at each T) or both (`256x128x64x4x8x3+tma`). KERNEL is one of
+tile kept; `+base` the pointer path; `+keep+store` the default's variant plus store, whatever
+it is at each T) or both (`256x128x64x4x8x3+tma`). KERNEL is one of
 fc1, fc2, dact, dx, wgrad_down, wgrad_gate_up. Example:
 
     --alt dact5:dact=128x128x64x8x8x5 --alt dxp:dx=+tma+persistent

@@ -13,10 +13,6 @@ F ffn width, E experts; all tensors row-major with a contiguous last dimension):
   those of a BN-wide tile's epilogue; each quarter writes its own dp_part column (`dp_tiles`).
   dY1 and A are those of the BN tile; dp_part sums its columns in other groups. No split tail
   with it.
-- `prefetch` (GemmConfig) 1: as a tile starts, its epilogue's Y1 lines (gate and up, BM rows)
-  are prefetched into L2 (l2_prefetch.py, CUDA only), so the epilogue's loads, issued after
-  the K loop, wait on the L2 rather than on device memory; 2, with the paired tile, also
-  loads each quarter's Y1 before the previous quarter's math. No value changes.
 The gathered rows ride the A-tile load (`gathered_k_loop`, gathered_loop.py). Sentinel and
 padding rules, tile configs and the variants: gemm_config.py; launch and fallback:
 gemm_launch.py.
@@ -31,7 +27,6 @@ from . import gemm_launch as gl
 from . import tma
 from .gated_act import gated_backward, gated_forward
 from .gathered_loop import gathered_k_loop
-from .l2_prefetch import on_gpu, prefetch_l2
 from .gemm_config import GemmConfig, dact_config
 from .route_align import RouteList
 from .slot_schedule import (live_block_list, persistent_tile, program_tile,
@@ -39,29 +34,15 @@ from .slot_schedule import (live_block_list, persistent_tile, program_tile,
 
 
 @triton.jit
-def _y1_tile(y1_ptr, offs_m, offs_n, row_ok, route_ok, ffn, stride_y1,
-             ROUTE_MASK: tl.constexpr):
-    """(gate, up) of Y1 at rows offs_m, columns offs_n, as stored (zeros where masked). A
-    padding slot has both sentinels, so route_ok == row_ok. ROUTE_MASK (the persistent loop)
-    masks by the route: row_ok, from the A-load's tokens, would then have to stay live across
-    the K loop in the epilogue's layout, once per pipeline stage, which spills."""
-    tile_mask = (route_ok if ROUTE_MASK else row_ok)[:, None] & (offs_n < ffn)[None, :]
-    y1_ptrs = y1_ptr + offs_m.to(tl.int64)[:, None] * stride_y1 + offs_n[None, :]
-    return (tl.load(y1_ptrs, mask=tile_mask, other=0.0),
-            tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0))
-
-
-@triton.jit
 def _dact_epilogue(
     acc, offs_m, offs_n, pid_dp, row_ok, route, route_ok, y1_ptr, weights_ptr, dy1_ptr,
     act_ptr, dp_ptr, alpha, limit, ffn, stride_y1, stride_dy1, stride_act, stride_dp,
     CLAMPED: tl.constexpr, ROUTE_MASK: tl.constexpr, slot_route_ptr=None, num_routes=0,
-    LOAD_ROUTE: tl.constexpr = False, y1_gu=None,
+    LOAD_ROUTE: tl.constexpr = False,
 ):
     """The SwiGLU backward of one [BM, BN] dA tile at columns offs_n: dY1, A and dp_part's
     column pid_dp. LOAD_ROUTE: the rows' routes are loaded here (the BN tile's one epilogue,
-    in the order it had before the paired tile), not passed in. `y1_gu`: the tile's (gate,
-    up) of Y1 already loaded (`_y1_tile`), else loaded here."""
+    in the order it had before the paired tile), not passed in."""
     n_ok = offs_n < ffn
     # dA as autograd would hand it to the activation: rounded to the input dtype.
     da = acc.to(dy1_ptr.dtype.element_ty).to(tl.float32)
@@ -69,10 +50,13 @@ def _dact_epilogue(
     if LOAD_ROUTE:
         route = tl.load(slot_route_ptr + offs_m)
         route_ok = route < num_routes
-    if y1_gu is None:
-        y1_gu = _y1_tile(y1_ptr, offs_m, offs_n, row_ok, route_ok, ffn, stride_y1, ROUTE_MASK)
-    g = y1_gu[0].to(tl.float32)
-    u = y1_gu[1].to(tl.float32)
+    # A padding slot has both sentinels, so route_ok == row_ok. ROUTE_MASK (the persistent
+    # loop) masks by the route: row_ok, from the A-load's tokens, would then have to stay live
+    # across the K loop in the epilogue's layout, once per pipeline stage, which spills.
+    tile_mask = (route_ok if ROUTE_MASK else row_ok)[:, None] & n_ok[None, :]
+    y1_ptrs = y1_ptr + rows * stride_y1 + offs_n[None, :]
+    g = tl.load(y1_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
     p = tl.load(weights_ptr + route, mask=route_ok, other=0.0).to(tl.float32)
     dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
     act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
@@ -86,22 +70,6 @@ def _dact_epilogue(
 
 
 @triton.jit
-def _prefetch_y1_tile(y1_ptr, offs_m, pid_n, ffn, stride_y1, BLOCK_N: tl.constexpr,
-                      EVEN_N: tl.constexpr):
-    """L2 prefetch of the Y1 lines a [BM, BLOCK_N] tile's epilogue reads: gate columns
-    pid_n * BLOCK_N + [0, BLOCK_N) and the same up columns F further, 64 bf16 (a 128-byte
-    line) at a time, each address clamped inside its row's half."""
-    LINES: tl.constexpr = BLOCK_N // 64
-    if LINES > 0:
-        offs_l = tl.arange(0, 2 * LINES)
-        col = pid_n * BLOCK_N + (offs_l % LINES) * 64
-        if not EVEN_N:
-            col = tl.minimum(col, ffn - 1)
-        col += (offs_l // LINES) * ffn
-        prefetch_l2(y1_ptr + offs_m.to(tl.int64)[:, None] * stride_y1 + col[None, :])
-
-
-@triton.jit
 def _dact_swiglu_tile(
     pid_m, pid_n, expert,
     dout_ptr, w_ptr, w_desc, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
@@ -110,14 +78,11 @@ def _dact_swiglu_tile(
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
-    ROUTE_MASK: tl.constexpr, PAIRED: tl.constexpr, L2_HINT: tl.constexpr = False,
-    QUARTERS_AHEAD: tl.constexpr = False,
+    ROUTE_MASK: tl.constexpr, PAIRED: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    if L2_HINT:
-        _prefetch_y1_tile(y1_ptr, offs_m, pid_n, ffn, stride_y1, BLOCK_N, EVEN_N)
     tok = tl.load(slot_token_ptr + offs_m)
     row_ok = tok < num_tokens
     n_ok = offs_n < ffn
@@ -146,41 +111,18 @@ def _dact_swiglu_tile(
         q0, q1 = tl.split(tl.permute(tl.reshape(lo, (BLOCK_M, 2, Q)), (0, 2, 1)))
         q2, q3 = tl.split(tl.permute(tl.reshape(hi, (BLOCK_M, 2, Q)), (0, 2, 1)))
         offs_q = pid_n * BLOCK_N + tl.arange(0, Q)
-        if QUARTERS_AHEAD:
-            # Each quarter's Y1 loaded before the quarter ahead of it runs its math, so one
-            # load's wait overlaps the previous quarter's epilogue instead of following it.
-            gu0 = _y1_tile(y1_ptr, offs_m, offs_q, row_ok, route_ok, ffn, stride_y1,
-                           ROUTE_MASK)
-            gu1 = _y1_tile(y1_ptr, offs_m, offs_q + Q, row_ok, route_ok, ffn, stride_y1,
-                           ROUTE_MASK)
-        else:
-            gu0 = None
-            gu1 = None
         _dact_epilogue(q0, offs_m, offs_q, 4 * pid_n, row_ok, route, route_ok, y1_ptr,
                        weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
-                       stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK, y1_gu=gu0)
-        if QUARTERS_AHEAD:
-            gu2 = _y1_tile(y1_ptr, offs_m, offs_q + 2 * Q, row_ok, route_ok, ffn, stride_y1,
-                           ROUTE_MASK)
-        else:
-            gu2 = None
+                       stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
         _dact_epilogue(q1, offs_m, offs_q + Q, 4 * pid_n + 1, row_ok, route, route_ok,
                        y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
-                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
-                       y1_gu=gu1)
-        if QUARTERS_AHEAD:
-            gu3 = _y1_tile(y1_ptr, offs_m, offs_q + 3 * Q, row_ok, route_ok, ffn, stride_y1,
-                           ROUTE_MASK)
-        else:
-            gu3 = None
+                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
         _dact_epilogue(q2, offs_m, offs_q + 2 * Q, 4 * pid_n + 2, row_ok, route, route_ok,
                        y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
-                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
-                       y1_gu=gu2)
+                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
         _dact_epilogue(q3, offs_m, offs_q + 3 * Q, 4 * pid_n + 3, row_ok, route, route_ok,
                        y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
-                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
-                       y1_gu=gu3)
+                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
     else:
         _dact_epilogue(acc, offs_m, offs_n, pid_n, row_ok, row_ok, row_ok, y1_ptr,
                        weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
@@ -208,7 +150,7 @@ def _dact_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
-    PAIRED: tl.constexpr, L2_HINT: tl.constexpr = False, QUARTERS_AHEAD: tl.constexpr = False,
+    PAIRED: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -227,8 +169,7 @@ def _dact_swiglu_kernel(
                 slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PAIRED,
-                L2_HINT, QUARTERS_AHEAD)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PAIRED)
             if TAIL == 2:
                 _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                                 stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -244,8 +185,7 @@ def _dact_swiglu_kernel(
             slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PAIRED,
-            L2_HINT, QUARTERS_AHEAD)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PAIRED)
         if TAIL == 2:
             _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                             stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -290,10 +230,6 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
     num_tokens, hidden = dout_TH.shape
     ffn = w_down_EHF.shape[2]
     paired = paired_tile(ffn, cfg)
-    # prefetch 1 and 2: the L2 hint, on a GPU only; 2: the paired tile's quarters' Y1 a
-    # quarter ahead too (anywhere).
-    l2_hint = bool(cfg.prefetch) and on_gpu(dout_TH)
-    quarters_ahead = paired and cfg.prefetch == 2
     # The kernel's tile: 2 BN wide when paired (no split tail then: its zero rows are written
     # per BN tile).
     tile = cfg._replace(block_n=2 * cfg.block_n, split_tail=False) if paired else cfg
@@ -317,8 +253,7 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            PAIRED=paired, L2_HINT=l2_hint, QUARTERS_AHEAD=quarters_ahead,
-            **cfg.launch_options(), **meta)
+            PAIRED=paired, **cfg.launch_options(), **meta)
 
     gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, tile, grid, live_list, meta, plan,
                                            w_down_EHF.shape[0], ffn, dout_TH.device

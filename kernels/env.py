@@ -21,17 +21,6 @@ def flag_from_env(name: str, default: bool) -> bool:
     return value == "1"
 
 
-def choice_from_env(name: str, choices: tuple[int, ...], default: int) -> int:
-    """`name` as one of the integers `choices` (default when unset or empty)."""
-    value = os.environ.get(name)
-    if not value:
-        return default
-    if value not in {str(c) for c in choices}:
-        raise KernelEnvError(f"{name}={value!r}: expected one of "
-                             f"{', '.join(map(str, choices))}")
-    return int(value)
-
-
 def ints_from_env(name: str, fields: str) -> tuple[int, ...] | None:
     """The comma-separated integers of `name` (None when unset or empty), one per field of
     `fields` ("bm,bn,bk,group,warps,stages")."""

@@ -56,7 +56,7 @@ from typing import NamedTuple
 
 import torch
 
-from .env import choice_from_env, flag_from_env, ints_from_env
+from .env import flag_from_env, ints_from_env
 from .fp_fusion import FUSED
 from .route_align import RouteList
 
@@ -79,11 +79,6 @@ FC1_PAIRED = flag_from_env("MOEGRAPH_FC1_PAIRED", True)
 # dA at 128-row blocks as the paired 128 x 256 tile (GemmConfig.paired, dact_swiglu.py), 3
 # stages: the product's choice in moe/experts.tile_configs unless MOEGRAPH_DACT_PAIRED=0.
 DACT_PAIRED = flag_from_env("MOEGRAPH_DACT_PAIRED", True)
-
-# dA's epilogue rows of Y1 prefetched into L2 as each tile starts (GemmConfig.prefetch 1), and
-# the paired tile's quarters loaded a quarter ahead (2): dact_swiglu.py.
-# MOEGRAPH_DACT_PREFETCH = 0, 1 or 2, at 128-row blocks.
-DACT_PREFETCH = choice_from_env("MOEGRAPH_DACT_PREFETCH", (0, 1, 2), 0)
 
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
 # compiled but its first launch failed with "operation not supported on global/shared address
@@ -117,11 +112,6 @@ class GemmConfig(NamedTuple):
     maxnreg: int | None = None
     # wgrad: the dW tile leaves by a TMA bulk store (kernels/wgrad.py). Others ignore it.
     store_tma: bool = False
-    # Latency hiding that changes no value (variant part `pfN`). dact_swiglu: 1 prefetches
-    # the tile's epilogue rows of Y1 into L2 as the tile starts (CUDA only). wgrad
-    # (persistent): 1 loads the next tile's slot range and first token ids a tile ahead;
-    # 2 also prefetches into L2 the rows the next tile's first K steps read. Others ignore it.
-    prefetch: int = 0
 
     def launch_options(self) -> dict:
         """The launch keywords of the tile: warps, stages, contraction (fp_fusion.py), and
@@ -135,7 +125,7 @@ class GemmConfig(NamedTuple):
     @property
     def variant(self) -> str:
         """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat', '+tail',
-        '+pair', '+rN', '+store', '+pfN'."""
+        '+pair', '+rN', '+store'."""
         parts = (["tma"] if self.tma else []) + (["persistent"] if self.persistent else [])
         if self.persistent and self.warp_specialize:
             parts.append("ws")
@@ -149,8 +139,6 @@ class GemmConfig(NamedTuple):
             parts.append(f"r{self.maxnreg}")
         if self.store_tma:
             parts.append("store")
-        if self.prefetch:
-            parts.append(f"pf{self.prefetch}")
         return "+".join(parts) or "base"
 
     def with_variant(self, name: str) -> GemmConfig:
@@ -158,21 +146,17 @@ class GemmConfig(NamedTuple):
         `variant` property's spelling)."""
         parts = set(name.split("+")) - {"base"}
         caps = {p for p in parts if p[:1] == "r" and p[1:].isdigit()}
-        pfs = {p for p in parts if p[:2] == "pf" and p[2:] in ("1", "2")}
-        unknown = parts - caps - pfs - {"tma", "persistent", "ws", "noflat", "tail", "pair",
-                                        "store"}
-        if unknown or len(caps) > 1 or len(pfs) > 1:
-            bad = (sorted(unknown)[0] if unknown else sorted(caps)[1] if len(caps) > 1
-                   else sorted(pfs)[1])
+        unknown = parts - caps - {"tma", "persistent", "ws", "noflat", "tail", "pair", "store"}
+        if unknown or len(caps) > 1:
+            bad = sorted(unknown)[0] if unknown else sorted(caps)[1]
             raise ValueError(f"GemmConfig: unknown variant part {bad!r} in {name!r}; parts "
-                             "are tma, persistent, ws, noflat, tail, pair, store, one rN "
-                             "(a register cap) and one pf1 or pf2 (prefetch)")
+                             "are tma, persistent, ws, noflat, tail, pair, store and one rN "
+                             "(a register cap)")
         return self._replace(tma="tma" in parts, persistent="persistent" in parts,
                              warp_specialize="ws" in parts, flatten="noflat" not in parts,
                              split_tail="tail" in parts, paired="pair" in parts,
                              maxnreg=int(next(iter(caps))[1:]) if caps else None,
-                             store_tma="store" in parts,
-                             prefetch=int(next(iter(pfs))[2:]) if pfs else 0)
+                             store_tma="store" in parts)
 
 
 def route_block_m(num_routes: int, num_experts: int, device: torch.device) -> int:

@@ -26,10 +26,7 @@ Layout contract (S slots, E experts, see route_align.py):
 - Variants that change no value (each tile sums the same terms in the same order):
   `GemmConfig.persistent`, one program an SM walking the tiles in that order (each tile's K
   loop pipelined as before); `GemmConfig.store_tma`, the tile written by a TMA bulk store
-  (where M is a multiple of BLOCK_M, dW is 2-byte and the launch does not accumulate);
-  `GemmConfig.prefetch` (persistent, padded loop), each tile's slot range and first token ids
-  loaded a tile or two before it starts, and with 2 the next tile's first slot-order rows
-  prefetched into L2 (wgrad_tile.py).
+  (where M is a multiple of BLOCK_M, dW is 2-byte and the launch does not accumulate).
 
 Bias gradients (`expert_bias_grad`), the same ownership and the same slot range:
 db[e, n] = sum over the real slots s of expert e of scale(s) * R[row_R(s), n], with scale 1
@@ -48,12 +45,11 @@ import triton.language as tl
 
 from . import gemm_launch as gl
 from . import tma
-from .env import choice_from_env, flag_from_env
+from .env import flag_from_env
 from .fp_fusion import FUSED
 from .gemm_config import GemmConfig, tile_from_env
-from .l2_prefetch import on_gpu
 from .route_align import RouteList
-from .wgrad_tile import wgrad_tile, wgrad_tiles_ahead
+from .slot_schedule import grouped_pid
 
 
 # MOEGRAPH_WGRAD_SHORT="bm,bn,bk,group,warps,stages" (what benchmarks/wgrad_sweep.py prints),
@@ -78,10 +74,6 @@ LAST_WGRAD_STORE: dict[bool, tuple[bool, bool]] = {}
 # 1 force them off or on (A/B runs); unset, the config's choice.
 PERSISTENT = flag_from_env("MOEGRAPH_WGRAD_PERSISTENT", None)
 STORE_TMA = flag_from_env("MOEGRAPH_WGRAD_TMA_STORE", None)
-# The long-loop tiles' slot ranges and first token ids a tile ahead (GemmConfig.prefetch 1),
-# plus the next tile's first slot-order rows prefetched into L2 (2): wgrad_tile.py.
-# MOEGRAPH_WGRAD_PREFETCH = 0, 1 or 2.
-PREFETCH = choice_from_env("MOEGRAPH_WGRAD_PREFETCH", (0, 1, 2), 0)
 
 
 def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None = None,
@@ -127,14 +119,96 @@ def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None =
 
 
 def _forced(cfg: GemmConfig) -> GemmConfig:
-    """cfg with MOEGRAPH_WGRAD_PERSISTENT / MOEGRAPH_WGRAD_TMA_STORE applied where set, and
-    the prefetch level."""
-    cfg = cfg._replace(prefetch=PREFETCH)
+    """cfg with MOEGRAPH_WGRAD_PERSISTENT / MOEGRAPH_WGRAD_TMA_STORE applied where set."""
     if PERSISTENT is not None:
         cfg = cfg._replace(persistent=PERSISTENT)
     if STORE_TMA is not None:
         cfg = cfg._replace(store_tma=STORE_TMA)
     return cfg
+
+
+@triton.jit
+def _wgrad_tile(
+    pid, l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc, slot_token_ptr, expert_start_ptr,
+    expert_count_ptr, M, N, num_tokens, num_slots, stride_l, stride_r, stride_dwe, stride_dwm,
+    GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
+    OUT_TMA: tl.constexpr,
+):
+    """dW tile `pid` (expert-major, GROUP_M-grouped within an expert)."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.cast(pid, tl.int32)  # a Python int in the interpreter's persistent loop
+    expert = pid // (tiles_m * tiles_n)
+    pid_m, pid_n = grouped_pid(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+    start = tl.load(expert_start_ptr + expert)
+    count = tl.load(expert_count_ptr + expert)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PADDED:
+        # The gathered operand's token ids, loaded one K step ahead (loop-carried): the
+        # pipeliner then keeps num_stages buffers in flight, where an id load feeding its
+        # row load in the same step leaves it about half as many.
+        tok_next = tl.load(slot_token_ptr + start + offs_k, mask=start + offs_k < num_slots,
+                           other=num_tokens)
+    for k0 in range(0, count, BLOCK_K):
+        slots = start + k0 + offs_k
+        row_l = slots
+        row_r = slots
+        if PADDED:
+            # The K tile stays inside the expert's live blocks (BLOCK_K divides the route
+            # block): slots past the count are padding, zeros in a slot-order operand and
+            # masked by their sentinel token in a gathered one.
+            tok = tok_next
+            tok_next = tl.load(slot_token_ptr + slots + BLOCK_K,
+                               mask=slots + BLOCK_K < num_slots, other=num_tokens)
+            l_mask = m_ok[:, None]
+            r_mask = n_ok[None, :]
+            if GATHER_L:
+                row_l = tok
+                l_mask = (tok < num_tokens)[None, :] & m_ok[:, None]
+            if GATHER_R:
+                row_r = tok
+                r_mask = (tok < num_tokens)[:, None] & n_ok[None, :]
+        else:
+            k_ok = offs_k + k0 < count
+            l_mask = k_ok[None, :] & m_ok[:, None]
+            r_mask = k_ok[:, None] & n_ok[None, :]
+            if GATHER_L:
+                row_l = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
+            if GATHER_R:
+                row_r = tl.load(slot_token_ptr + slots, mask=k_ok, other=0)
+        # L^T tile [BLOCK_M, BLOCK_K]: column k of it is row row_l[k] of L.
+        if L_TMA:
+            lt = l_desc.load([start + k0, pid_m * BLOCK_M]).T
+        else:
+            lt = tl.load(l_ptr + row_l.to(tl.int64)[None, :] * stride_l + offs_m[:, None],
+                         mask=l_mask, other=0.0)
+        if R_TMA:
+            r = r_desc.load([start + k0, pid_n * BLOCK_N])
+        else:
+            r = tl.load(r_ptr + row_r.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
+                        mask=r_mask, other=0.0)
+        acc = tl.dot(lt, r, acc)
+
+    if OUT_TMA:
+        # dW as [E * M, N] (M a multiple of BLOCK_M): the tile goes out by an asynchronous
+        # bulk store, and the program moves on while the copy engine drains it.
+        dw_desc.store([expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N],
+                      acc.to(dw_ptr.dtype.element_ty))
+    else:
+        dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
+                   + offs_m.to(tl.int64)[:, None] * stride_dwm + offs_n[None, :])
+        if ACCUMULATE:
+            acc += tl.load(dw_ptrs, mask=m_ok[:, None] & n_ok[None, :],
+                           other=0.0).to(tl.float32)
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -145,30 +219,23 @@ def _expert_wgrad_kernel(
     GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
-    OUT_TMA: tl.constexpr, PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    OUT_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    if PERSISTENT and PREFETCH:
-        # Each tile's slot range and first token ids loaded before it starts (wgrad_tile.py).
-        wgrad_tiles_ahead(l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc, slot_token_ptr,
-                          expert_start_ptr, expert_count_ptr, M, N, num_tokens, num_slots,
-                          num_tiles, stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L,
-                          GATHER_R, ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, L_TMA,
-                          R_TMA, OUT_TMA, PREFETCH)
-    elif PERSISTENT:
+    if PERSISTENT:
         # One program an SM walks the tiles in the same order; the K loop inside stays the
         # one-tile loop (pipelined alone), so every tile sums the same terms in the same order.
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            wgrad_tile(tile, l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc, slot_token_ptr,
-                       expert_start_ptr, expert_count_ptr, M, N, num_tokens, num_slots,
-                       stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R,
-                       ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PADDED, L_TMA, R_TMA,
-                       OUT_TMA)
+            _wgrad_tile(tile, l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc, slot_token_ptr,
+                        expert_start_ptr, expert_count_ptr, M, N, num_tokens, num_slots,
+                        stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R,
+                        ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PADDED, L_TMA, R_TMA,
+                        OUT_TMA)
     else:
-        wgrad_tile(tl.program_id(0), l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc,
-                   slot_token_ptr, expert_start_ptr, expert_count_ptr, M, N, num_tokens,
-                   num_slots, stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R,
-                   ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PADDED, L_TMA, R_TMA,
-                   OUT_TMA)
+        _wgrad_tile(tl.program_id(0), l_ptr, r_ptr, l_desc, r_desc, dw_ptr, dw_desc,
+                    slot_token_ptr, expert_start_ptr, expert_count_ptr, M, N, num_tokens,
+                    num_slots, stride_l, stride_r, stride_dwe, stride_dwm, GATHER_L, GATHER_R,
+                    ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PADDED, L_TMA, R_TMA,
+                    OUT_TMA)
 
 
 def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gather_r: bool,
@@ -189,11 +256,6 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     dw_desc = _out_desc(out_EMN, cfg, accumulate)
     num_tiles = num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     persistent = cfg.persistent and tma.persistent_available()
-    # A tile ahead (wgrad_tile.py): the persistent padded loop only; its L2 prefetch (2) on a
-    # GPU only.
-    prefetch = cfg.prefetch if persistent and padded else 0
-    if prefetch == 2 and not on_gpu(l_rows):
-        prefetch = 1
     LAST_WGRAD_STORE[gather_l] = (persistent, dw_desc is not None)
     grid = (min(num_tiles, tma.num_programs(l_rows.device)) if persistent else num_tiles,)
 
@@ -207,8 +269,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
             out_EMN.stride(1), GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             PADDED=padded, L_TMA=l_desc is not None, R_TMA=r_desc is not None,
-            OUT_TMA=dw_desc is not None, PERSISTENT=persistent, PREFETCH=prefetch,
-            **c.launch_options())
+            OUT_TMA=dw_desc is not None, PERSISTENT=persistent, **c.launch_options())
 
     if not l_rows.is_cuda:
         launch(cfg)

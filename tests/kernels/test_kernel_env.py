@@ -5,7 +5,7 @@ import pytest
 import typer
 
 from moegraph_cli.app import command
-from moegraph_kernels.env import KernelEnvError, choice_from_env, flag_from_env, ints_from_env
+from moegraph_kernels.env import KernelEnvError, flag_from_env, ints_from_env
 
 
 def test_flag_from_env(monkeypatch):
@@ -18,19 +18,6 @@ def test_flag_from_env(monkeypatch):
         monkeypatch.setenv("MOEGRAPH_X_FLAG", bad)
         with pytest.raises(KernelEnvError, match=r"^MOEGRAPH_X_FLAG='.*': expected 0 or 1$"):
             flag_from_env("MOEGRAPH_X_FLAG", False)
-
-
-def test_choice_from_env(monkeypatch):
-    monkeypatch.delenv("MOEGRAPH_X_LEVEL", raising=False)
-    assert choice_from_env("MOEGRAPH_X_LEVEL", (0, 1, 2), 1) == 1
-    for value, want in (("0", 0), ("2", 2), ("", 1)):
-        monkeypatch.setenv("MOEGRAPH_X_LEVEL", value)
-        assert choice_from_env("MOEGRAPH_X_LEVEL", (0, 1, 2), 1) == want
-    for bad in ("3", "-1", "one", "1.0"):
-        monkeypatch.setenv("MOEGRAPH_X_LEVEL", bad)
-        with pytest.raises(KernelEnvError, match=r"^MOEGRAPH_X_LEVEL='.*': expected one of "
-                                                 r"0, 1, 2$"):
-            choice_from_env("MOEGRAPH_X_LEVEL", (0, 1, 2), 0)
 
 
 def test_ints_from_env(monkeypatch):

@@ -136,13 +136,6 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     assert cfg.launch_options() == {"num_warps": 8, "num_stages": 3, "enable_fp_fusion": True}
     with pytest.raises(ValueError, match="one rN"):
         cfg.with_variant("r128+r96")
-    # prefetch: pf1 / pf2, one of them, no launch keyword
-    ahead = cfg.with_variant("tma+persistent+pf2")
-    assert ahead.prefetch == 2 and ahead.variant == "tma+persistent+pf2"
-    assert ahead.launch_options() == cfg.launch_options()
-    for bad in ("pf1+pf2", "pf3", "pf"):
-        with pytest.raises(ValueError, match="pf1 or pf2"):
-            cfg.with_variant(bad)
     # the product's choice (moe/experts.tile_configs), measured on the H200
     big, small = ("tma+persistent+pair", "tma+pair") if gc.FC1_PAIRED else ("tma", "tma")
     # dW: the slot-order side by TMA; the long loops persistent with the tile stored by TMA
@@ -181,7 +174,7 @@ def test_fc1_default_tiles_by_slot_block():
     of 64, FC2 four stages."""
     cuda = torch.device("cuda")
     assert tuple(gc.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
-                                                    False, False, False, None, False, 0)
+                                                    False, False, False, None, False)
     assert tuple(gc.fc1_config(768, 64, cuda))[:6] == (64, 128, 32, 8, 4, 5)
     assert gc.fc1_config(1408, 128, cuda).block_n == 128  # 1408 = 11 x 128
     assert tuple(gc.fc2_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 4)
@@ -760,44 +753,3 @@ def test_cuda_dact_paired_halves_are_bitwise_equal(case, variant, monkeypatch):
         assert torch.equal(g, w), (
             f"{what} under {variant}: max |diff| {(g.float() - w.float()).abs().max().item():.3e}")
     _check_paired_dact(got, want, live, same)
-
-
-@pytest.mark.parametrize("variant", ["pf1", "pair+pf1", "pair+pf2", "persistent+pair+pf2"])
-@pytest.mark.parametrize("case", DACT_PAIR_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_dact_prefetch_changes_nothing_on_the_cpu(case, variant):
-    """The L2 hint of prefetch 1 and 2 runs only on a GPU (the interpreter runs no inline
-    assembly); 2's quarters loaded a quarter ahead run here: the same tile's values without
-    them (NaN-started outputs, dead blocks' rows left NaN)."""
-    want = _default(case, None)
-    inputs = (want["fc1"][0], want["fc1"][1], want["dact"][0])
-    cfg = _cfg().with_variant(variant)
-    base = _run_kernels(case, None, cfg._replace(prefetch=0), inputs)["dact"]
-    got = _run_kernels(case, None, cfg, inputs)["dact"]
-    live = _live_rows(_problem(case, None)[-1])
-    for g, w in zip(got, base):
-        assert torch.isnan(g[~live]).all()
-        assert torch.equal(g[live], w[live]), variant
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["base+pf1", "pair+pf1", "tma+persistent+pair+pf1",
-                                     "pair+pf2", "tma+persistent+pair+pf2"])
-@pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
-def test_cuda_dact_prefetch_is_bitwise_equal(case, variant, monkeypatch):
-    """dact with its epilogue's Y1 lines prefetched into L2 as each tile starts (and with 2
-    the quarters' Y1 a quarter ahead): every output (dY1, A and dp_part) bitwise the same
-    variant's without, dead blocks' rows left NaN."""
-    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
-    base = _gpu_default_config("dact", case)._replace(paired=False)
-    if "pair" in variant and case[-1] % (2 * base.block_n):
-        pytest.skip("2 BN does not divide F")
-    cfg = base.with_variant(variant)
-    y1 = _gpu_kernel("fc1", case, _gpu_default_config("fc1", case), None)[0]
-    want = _gpu_kernel("dact", case, cfg._replace(prefetch=0), {"y1": y1})
-    got = _gpu_kernel("dact", case, cfg, {"y1": y1})
-    torch.cuda.synchronize()
-    assert not gl.LAST_PLAN["dact"].fallback
-    live = _live_rows(_gpu_problem(case)[-1])
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.isnan(g[~live]).all(), f"output {i}: a dead block's row written"
-        assert torch.equal(g[live], w[live]), f"output {i} under {variant}"

@@ -38,9 +38,11 @@ def test_spec_changes_only_what_it_names(ab):
     plain = ab.parse_spec("256x128x64x4x8x3+tma", d.wgrad_gate_up)
     assert plain.tma and not plain.persistent and not plain.store_tma
     assert ab.parse_spec("+base", d.fc1).variant == "base"
-    kept = ab.parse_spec("+keep+pf1", d.wgrad_down)
-    assert kept == d.wgrad_down._replace(prefetch=1)
-    assert ab.parse_spec("+keep+pf2", d.wgrad_gate_up) == d.wgrad_gate_up._replace(prefetch=2)
+    # +keep: the default's own variant parts, whatever they are, plus those named
+    assert ab.parse_spec("+keep+store", d.wgrad_gate_up) == \
+        d.wgrad_gate_up._replace(store_tma=True)
+    assert ab.parse_spec("+keep+noflat", d.fc2) == d.fc2._replace(flatten=False)
+    assert ab.parse_spec("+keep+tma", d.dact) == d.dact._replace(tma=True)
 
 
 def test_entries_default_twin_alts_all(ab):

@@ -113,33 +113,6 @@ def test_persistent_and_tma_store_variants_are_bitwise_equal(case, store_tma, mo
             assert torch.equal(g, w), (gather_l, persistent, store_tma)
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_tiles_ahead_are_bitwise_equal(case, prefetch, monkeypatch):
-    """Each tile's slot range and first token ids loaded a tile or two ahead (wgrad_tile.py):
-    the same values, every element written, with the interpreter's few programs each walking
-    several tiles (prefetch 2's L2 hint is GPU-only: 1 runs here)."""
-    problem = _problem(case, None, "cpu", torch.float32, 16)
-    want = _both_dw(problem, CPU_CFG, True, monkeypatch)
-    for store_tma in (False, True):
-        cfg = CPU_CFG._replace(persistent=True, store_tma=store_tma, prefetch=prefetch)
-        got = _both_dw(problem, cfg, True, monkeypatch)
-        for gather_l, (g, _), (w, _) in zip((True, False), got, want):
-            assert wg.LAST_WGRAD_STORE[gather_l][0], "the persistent loop did not run"
-            assert torch.isfinite(g).all(), (gather_l, store_tma)
-            assert torch.equal(g, w), (gather_l, store_tma)
-
-
-def test_tiles_ahead_accumulate_like_the_default(monkeypatch):
-    problem = _problem(CASES[3], None, "cpu", torch.float32, 16)
-    base = [torch.randn(t.shape) for t, _ in _both_dw(problem, CPU_CFG, True, monkeypatch)]
-    want = _both_dw(problem, CPU_CFG, True, monkeypatch, accumulate_onto=base)
-    got = _both_dw(problem, CPU_CFG._replace(persistent=True, prefetch=1), True, monkeypatch,
-                   accumulate_onto=base)
-    for (g, _), (w, _) in zip(got, want):
-        assert torch.equal(g, w)
-
-
 def test_an_accumulating_launch_keeps_the_pointer_store(monkeypatch):
     problem = _problem(CASES[3], None, "cpu", torch.float32, 16)
     base = [torch.randn(t.shape) for t, _ in _both_dw(problem, CPU_CFG, True, monkeypatch)]
@@ -220,28 +193,6 @@ def test_cuda_persistent_and_tma_store_variants_are_bitwise_equal(case, monkeypa
                 assert wg.LAST_WGRAD_STORE[gather_l][0] == persistent
                 assert torch.isfinite(g).all(), (cfg, gather_l)
                 assert torch.equal(g, w), (cfg, gather_l)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
-def test_cuda_tiles_ahead_are_bitwise_equal(case, monkeypatch):
-    """prefetch 1 (slot range and token ids a tile ahead) and 2 (plus the L2 prefetch) on the
-    product's long-loop tiles: bitwise the default's, NaN-started outputs all written."""
-    _, T, k, E, H, F = case
-    block = route_block_m(T * k, E, torch.device("cuda"))
-    problem = _problem(case, None, "cuda", torch.bfloat16, block)
-    empty = problem[4].expert_counts == 0
-    for tile in (wg.wgrad_config(F, torch.device("cuda"), T * k / E),
-                 wg.wgrad_config(H, torch.device("cuda"), T * k / E, slot_order_l=True)):
-        tile = tile._replace(persistent=True)
-        want = _both_dw(problem, tile, True, monkeypatch)
-        for prefetch in (1, 2):
-            got = _both_dw(problem, tile._replace(prefetch=prefetch), True, monkeypatch)
-            torch.cuda.synchronize()
-            for gather_l, (g, _), (w, _) in zip((True, False), got, want):
-                assert torch.isfinite(g).all(), (tile, prefetch, gather_l)
-                assert (g[empty] == 0).all(), (tile, prefetch, gather_l)
-                assert torch.equal(g, w), (tile, prefetch, gather_l)
 
 
 @pytest.mark.cuda
