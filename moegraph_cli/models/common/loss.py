@@ -47,7 +47,9 @@ from .linear import linear as module_linear
 IMPLS = ("auto", "triton", "reference")
 
 
-def _ce_fused_default() -> bool:
+def ce_fused_default() -> bool:
+    """Whether the trainers' heads compute dlogits in the forward (MOEGRAPH_CE_FUSED, on
+    unless 0)."""
     from moegraph_kernels.env import flag_from_env
     return flag_from_env("MOEGRAPH_CE_FUSED", True)
 
@@ -181,6 +183,6 @@ def head_loss(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor | N
         return chunked_linear_cross_entropy(
             x_TH, w_VH, labels_T, chunk_rows,
             use_triton=_use_triton("auto", x_TH.device)), None
-    fused = inplace_backward and _ce_fused_default()
+    fused = inplace_backward and ce_fused_default()
     return linear_cross_entropy(x_TH, w_VH, labels_T, inplace_backward=inplace_backward,
                                 dlogits_in_forward=fused)
