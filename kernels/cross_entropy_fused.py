@@ -34,12 +34,19 @@ import triton
 import triton.language as tl
 
 from .cross_entropy import _check_rows, _online_max_sum
+from .env import flag_from_env
 from .fp_fusion import FUSED
 
 # Tile of the GPU launch: columns a step, warps, programs an SM, the re-read walked backward.
 # Elsewhere (the interpreter) the forward kernel's block: the same lse bits as
 # cross_entropy_forward there.
 BLOCK_GPU, WARPS_GPU, PER_SM_GPU, REVERSE_GPU = 8192, 16, 1, True
+
+
+def enabled() -> bool:
+    """Whether the trainers' loss heads (models/common/loss.py, loss_chunked.py) take this
+    kernel: MOEGRAPH_CE_FUSED, on unless 0; read at each call."""
+    return flag_from_env("MOEGRAPH_CE_FUSED", True)
 
 
 @triton.jit

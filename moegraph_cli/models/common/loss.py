@@ -47,12 +47,6 @@ from .linear import linear as module_linear
 IMPLS = ("auto", "triton", "reference")
 
 
-def ce_fused_default() -> bool:
-    """Whether the trainers' heads compute dlogits in the forward (MOEGRAPH_CE_FUSED, on
-    unless 0)."""
-    from moegraph_kernels.env import flag_from_env
-    return flag_from_env("MOEGRAPH_CE_FUSED", True)
-
 
 def causal_shift(labels_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """HF's shifted labels: position s predicts token s + 1, the last one predicts nothing."""
@@ -183,6 +177,7 @@ def head_loss(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor | N
         return chunked_linear_cross_entropy(
             x_TH, w_VH, labels_T, chunk_rows,
             use_triton=_use_triton("auto", x_TH.device)), None
-    fused = inplace_backward and ce_fused_default()
+    from moegraph_kernels.cross_entropy_fused import enabled
+    fused = inplace_backward and enabled()
     return linear_cross_entropy(x_TH, w_VH, labels_T, inplace_backward=inplace_backward,
                                 dlogits_in_forward=fused)

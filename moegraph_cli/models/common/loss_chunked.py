@@ -30,7 +30,6 @@ from torch.autograd.function import once_differentiable
 
 from ... import grads
 from ...matmul import addmm_, linear, mm_out
-from .loss import ce_fused_default
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -44,7 +43,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         bwd = ce.cross_entropy_backward if use_triton else ce.cross_entropy_backward_ref
         fused = cf.cross_entropy_fused_ if use_triton else cf.cross_entropy_fused_ref_
         need_x, need_w = ctx.needs_input_grad[:2]
-        one_kernel = (need_x or need_w) and ce_fused_default()
+        one_kernel = (need_x or need_w) and cf.enabled()
         num_tokens = x_TH.shape[0]
         n_valid = (labels_T != ignore_index).sum()
         one = torch.ones((), dtype=torch.float32, device=x_TH.device)
