@@ -34,13 +34,17 @@ import triton
 import triton.language as tl
 
 from .cross_entropy import _check_rows, _online_max_sum
-from .env import flag_from_env
+from .env import flag_from_env, ints_from_env
 from .fp_fusion import FUSED
 
 # Tile of the GPU launch: columns a step, warps, programs an SM, the re-read walked backward.
 # Elsewhere (the interpreter) the forward kernel's block: the same lse bits as
-# cross_entropy_forward there.
-BLOCK_GPU, WARPS_GPU, PER_SM_GPU, REVERSE_GPU = 8192, 16, 1, True
+# cross_entropy_forward there. MOEGRAPH_CE_FUSED_TILE="block,warps,per_sm,stages" (stages 1:
+# not pipelined) overrides the GPU's, read once here.
+BLOCK_GPU, WARPS_GPU, PER_SM_GPU, REVERSE_GPU, STAGES_GPU = 8192, 16, 1, True, 1
+TILE_OVERRIDE = ints_from_env("MOEGRAPH_CE_FUSED_TILE", "block,warps,per_sm,stages")
+if TILE_OVERRIDE is not None:
+    BLOCK_GPU, WARPS_GPU, PER_SM_GPU, STAGES_GPU = TILE_OVERRIDE
 
 
 def enabled() -> bool:
@@ -54,6 +58,7 @@ def _ce_fused_kernel(
     logits_ptr, labels_ptr, lse_ptr, loss_ptr, one_ptr, n_valid_ptr,
     n_rows, V, stride_row, ignore_index,
     BLOCK_V: tl.constexpr, REVERSE: tl.constexpr, EVICT_LAST: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # The backward kernel's scale with grad_loss = 1 loaded the same way: the same division.
     scale = tl.load(one_ptr).to(tl.float32) / tl.maximum(
@@ -68,12 +73,12 @@ def _ce_fused_kernel(
         x_label = tl.load(row_ptr + label, mask=valid & in_range,
                           other=float("nan")).to(tl.float32)
         n_cols = tl.where(valid, V, 0)  # an ignored row reads nothing
-        m, d = _online_max_sum(row_ptr, 0, n_cols, BLOCK_V, EVICT_LAST)
+        m, d = _online_max_sum(row_ptr, 0, n_cols, BLOCK_V, EVICT_LAST, STAGES)
         lse = m + tl.log(tl.where(valid, d, 1.0))  # the sum is >= 1 if valid
         tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
         tl.store(loss_ptr + row, tl.where(valid, lse - x_label, 0.0))
         tl.debug_barrier()  # every warp has its x_label before any warp overwrites the row
-        for i in range(0, n_blocks):
+        for i in tl.range(0, n_blocks, num_stages=STAGES):
             if REVERSE:
                 start = (n_blocks - 1 - i) * BLOCK_V
             else:
@@ -99,6 +104,10 @@ def _scale_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
             tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=offs < n)
 
 
+def _stages(stages: int) -> int | None:
+    return stages if stages > 1 else None
+
+
 def _programs(device: torch.device, per_sm: int, n_rows: int) -> int:
     if device.type != "cuda":
         return max(1, min(n_rows, 4))
@@ -109,11 +118,11 @@ def _programs(device: torch.device, per_sm: int, n_rows: int) -> int:
 def cross_entropy_fused_(logits_TV: torch.Tensor, labels_T: torch.Tensor, n_valid: torch.Tensor,
                          ignore_index: int = -100, *, block_v: int | None = None,
                          num_warps: int | None = None, per_sm: int | None = None,
-                         reverse: bool | None = None, evict_last: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         reverse: bool | None = None, evict_last: bool = False,
+                         stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse [T], loss [T]) of logits_TV's rows, the rows overwritten with dlogits for an
     incoming gradient of 1 (module docstring). block_v, num_warps, per_sm, reverse,
-    evict_last: for tuning."""
+    evict_last, stages (loads pipelined that deep; 1 or less: not): for tuning."""
     _check_rows("logits", logits_TV, labels_T)
     num_rows, vocab = logits_TV.shape
     dev = logits_TV.device
@@ -130,6 +139,7 @@ def cross_entropy_fused_(logits_TV: torch.Tensor, labels_T: torch.Tensor, n_vali
         num_rows, vocab, logits_TV.stride(0), ignore_index,
         BLOCK_V=block, REVERSE=REVERSE_GPU if reverse is None else reverse,
         EVICT_LAST=evict_last and gpu,
+        STAGES=_stages(stages if stages is not None else STAGES_GPU if gpu else 1),
         num_warps=num_warps or (WARPS_GPU if gpu else 4), enable_fp_fusion=FUSED)
     return lse_T, loss_T
 

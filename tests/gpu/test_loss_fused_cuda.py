@@ -28,6 +28,7 @@ def _logits(T, dtype=torch.bfloat16, seed=0):
 @pytest.mark.parametrize("knobs", [
     {}, {"reverse": False}, {"per_sm": 2}, {"evict_last": True},
     {"block_v": 4096, "num_warps": 8}, {"block_v": 2048, "num_warps": 4},
+    {"stages": 4}, {"block_v": 4096, "num_warps": 8, "per_sm": 2, "stages": 3},
 ])
 def test_fused_matches_backward_kernel_bitwise(knobs, dtype):
     logits, labels = _logits(300, dtype)
