@@ -30,12 +30,13 @@ import sys
 from common import capture_graph, default_out, environment, time_led_graphs, write_json
 
 TILES = [  # (block, warps, per_sm, reverse, evict_last, stages)
-    (8192, 16, 1, True, False, 1), (2048, 4, 8, True, False, 1),
-    (8192, 16, 1, True, False, 3), (8192, 16, 1, True, False, 4), (8192, 16, 1, False, False, 4),
-    (8192, 8, 1, True, False, 4), (16384, 16, 1, True, False, 3), (4096, 8, 1, True, False, 4),
-    (4096, 8, 1, True, False, 6), (4096, 8, 2, True, False, 3), (4096, 8, 2, True, False, 4),
-    (2048, 4, 2, True, False, 6), (2048, 4, 4, True, False, 3), (4096, 4, 2, True, False, 4),
-    (8192, 16, 1, True, True, 4), (4096, 8, 2, True, True, 4),
+    (8192, 16, 1, True, False, 1), (16384, 16, 1, True, False, 3),
+    (16384, 16, 1, True, False, 4), (16384, 16, 1, True, False, 2),
+    (16384, 16, 2, True, False, 2), (16384, 16, 2, True, False, 3),
+    (16384, 32, 1, True, False, 3), (16384, 8, 1, True, False, 3),
+    (32768, 16, 1, True, False, 2), (32768, 32, 1, True, False, 3),
+    (8192, 16, 2, True, False, 3), (8192, 16, 2, True, False, 4),
+    (16384, 16, 1, True, True, 3), (16384, 16, 1, False, False, 3),
 ]
 
 
