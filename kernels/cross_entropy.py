@@ -50,19 +50,16 @@ def _block_v(vocab: int, device: torch.device, cap: int) -> int:
 
 
 @triton.jit
-def _online_max_sum(row_ptr, lo, hi, BLOCK_V: tl.constexpr, EVICT_LAST: tl.constexpr = False,
-                    STAGES: tl.constexpr = None):
+def _online_max_sum(row_ptr, lo, hi, BLOCK_V: tl.constexpr):
     """(m, d) of the columns [lo, hi) of one row: m their max, d the sum of exp(x - m).
     Online: a running scalar max and per-lane sums rescaled to it, so each block costs one
-    cross-lane reduction (the max); the lanes are summed once at the end. `EVICT_LAST`: the
-    loads ask L2 to keep the row (cross_entropy_fused.py reads it again); `STAGES`: the loop's
-    loads software-pipelined that many deep (None: not)."""
+    cross-lane reduction (the max); the lanes are summed once at the end."""
     cols = tl.arange(0, BLOCK_V)
     m = float("-inf")
     d = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for start in tl.range(lo, hi, BLOCK_V, num_stages=STAGES):
-        x = tl.load(row_ptr + start + cols, mask=start + cols < hi, other=float("-inf"),
-                    eviction_policy="evict_last" if EVICT_LAST else "").to(tl.float32)
+    for start in range(lo, hi, BLOCK_V):
+        x = tl.load(row_ptr + start + cols, mask=start + cols < hi,
+                    other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         d = d * tl.exp(m - m_new) + tl.exp(x - m_new)
         m = m_new

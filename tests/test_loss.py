@@ -191,41 +191,6 @@ def test_inplace_backward_overwrites_logits_with_dlogits(impl):
     assert torch.equal(logits, logits_before)
 
 
-@pytest.mark.parametrize("grad_scale", [1.0, 3.0, 0.1])
-@pytest.mark.parametrize("impl", IMPLS)
-def test_dlogits_in_forward_matches_torch_and_the_two_kernel_head(impl, grad_scale):
-    """The forward writes dlogits (cross_entropy_fused.py): the loss and gradients of the
-    two-kernel head, bitwise when the incoming gradient is 1 (the interpreter's lse is the
-    forward kernel's there), within rounding otherwise; no logits returned."""
-    x, w, labels = _case(9, 203, seed=11)
-    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, logits = linear_cross_entropy(xl, wl, labels, impl=impl, dlogits_in_forward=True)
-    assert logits is None and loss.dtype == torch.float32 and loss.dim() == 0
-    dx, dw = torch.autograd.grad(loss * grad_scale, [xl, wl], retain_graph=True)
-    two = _fused(x, w, labels, impl, grad_scale=grad_scale, inplace_backward=True)
-    want = _reference(x, w, labels, grad_scale=grad_scale)
-    for name, g, r in (("loss", loss.detach(), want[0]), ("dx", dx, want[2]), ("dw", dw, want[3])):
-        _close(g, r, name)
-    if grad_scale == 1.0:
-        for name, g, r in (("loss", loss.detach(), two[0]), ("dx", dx, two[2]), ("dw", dw, two[3])):
-            assert torch.equal(g, r), name
-    with pytest.raises(RuntimeError, match="backward ran twice"):
-        torch.autograd.grad(loss, [xl, wl])
-
-
-def test_head_loss_takes_dlogits_in_forward_for_the_inplace_head(monkeypatch):
-    from moegraph_cli.models.common.loss import head_loss
-    x, w, labels = _case(5, 40, seed=2)
-    loss, logits = head_loss(x, w.clone().requires_grad_(), labels, inplace_backward=True)
-    assert logits is None
-    monkeypatch.setenv("MOEGRAPH_CE_FUSED", "0")
-    loss0, logits0 = head_loss(x, w.clone().requires_grad_(), labels, inplace_backward=True)
-    assert logits0 is not None and torch.equal(loss, loss0)
-    monkeypatch.setenv("MOEGRAPH_CE_FUSED", "2")
-    with pytest.raises(ValueError, match="MOEGRAPH_CE_FUSED"):
-        head_loss(x, w, labels, inplace_backward=True)
-
-
 FWD = {"triton": cross_entropy_forward, "reference": cross_entropy_forward_ref}
 BWD = {"triton": cross_entropy_backward, "reference": cross_entropy_backward_ref}
 

@@ -21,14 +21,6 @@ Gradients: dx = dlogits @ w; dW = dlogits^T @ x through `grads.mm_grad`, so a si
 gets it written (or accumulated) into `w.grad` and autograd gets None (see grads.py). A tied
 embedding in non-sink mode gets dW returned and summed by autograd as usual.
 
-dlogits in the forward (`dlogits_in_forward=True`, what head_loss picks for the trainers'
-in-place head unless MOEGRAPH_CE_FUSED=0): kernels/cross_entropy_fused.py computes the loss
-and overwrites the logits with dlogits for an incoming gradient of 1 in one kernel, which
-reads the logits from device memory once where the forward and backward kernels read them
-twice; no logits are returned. The backward scales dlogits by the gradient that came (no work
-when it is 1, as `loss.backward()` gives; otherwise dlogits are rounded twice), then runs the
-two GEMMs.
-
 The path: Triton on CUDA; on CPU the chunked pure-torch reference with the same contract
 (`impl="reference"` forces it anywhere; `impl="triton"` forces the kernels, which on CPU run
 only under TRITON_INTERPRET=1 and only in fp32). Neither path syncs with the host.
@@ -47,7 +39,6 @@ from .linear import linear as module_linear
 IMPLS = ("auto", "triton", "reference")
 
 
-
 def causal_shift(labels_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """HF's shifted labels: position s predicts token s + 1, the last one predicts nothing."""
     return F.pad(labels_BS, (0, 1), value=ignore_index)[..., 1:]
@@ -64,28 +55,21 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Outputs (loss 0-d fp32, logits [T, V] non-differentiable); differentiable in x and w."""
 
     @staticmethod
-    def forward(ctx, x_TH, w_VH, labels_T, ignore_index, use_triton, inplace_backward,
-                dlogits_in_forward=False):
+    def forward(ctx, x_TH, w_VH, labels_T, ignore_index, use_triton, inplace_backward):
         ctx.set_materialize_grads(False)  # else backward gets a zero [T, V] for the logits
         logits_TV = linear(x_TH, w_VH)
         # Imported here: the kernels module imports Triton, which commands that never train
         # (init, inspect, plan) must not need.
         from moegraph_kernels import cross_entropy as ce
+        fwd = ce.cross_entropy_forward if use_triton else ce.cross_entropy_forward_ref
+        lse_T, loss_T = fwd(logits_TV, labels_T, ignore_index)
         n_valid = (labels_T != ignore_index).sum()
-        if dlogits_in_forward:
-            from moegraph_kernels import cross_entropy_fused as cf
-            fused = cf.cross_entropy_fused_ if use_triton else cf.cross_entropy_fused_ref_
-            lse_T, loss_T = fused(logits_TV, labels_T, n_valid, ignore_index)
-        else:
-            fwd = ce.cross_entropy_forward if use_triton else ce.cross_entropy_forward_ref
-            lse_T, loss_T = fwd(logits_TV, labels_T, ignore_index)
         loss = loss_T.sum() / n_valid  # 0 / 0 = nan when every label is ignored, as torch
         ctx.mark_non_differentiable(logits_TV)
         ctx.save_for_backward(x_TH, w_VH, logits_TV, labels_T, lse_T, n_valid)
         ctx.ignore_index = ignore_index
         ctx.use_triton = use_triton
-        ctx.inplace_backward = inplace_backward or dlogits_in_forward
-        ctx.dlogits_ready = dlogits_in_forward
+        ctx.inplace_backward = inplace_backward
         ctx.logits_consumed = False
         return loss, logits_TV
 
@@ -93,42 +77,33 @@ class LinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss, grad_logits):
         if grad_loss is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None
         if ctx.logits_consumed:
             raise RuntimeError("linear_cross_entropy: backward ran twice with "
                                "inplace_backward=True, whose first backward overwrote the "
                                "saved logits")
         x_TH, w_VH, logits_TV, labels_T, lse_T, n_valid = ctx.saved_tensors
+        out_TV = logits_TV if ctx.inplace_backward else None
+        from moegraph_kernels import cross_entropy as ce
+        bwd = ce.cross_entropy_backward if ctx.use_triton else ce.cross_entropy_backward_ref
         with torch.no_grad():
-            if ctx.dlogits_ready:  # the forward wrote dlogits for a gradient of 1
-                from moegraph_kernels import cross_entropy_fused as cf
-                scale = cf.scale_by_grad_ if ctx.use_triton else cf.scale_by_grad_ref_
-                dlogits_TV = scale(logits_TV, grad_loss.float())
-            else:
-                from moegraph_kernels import cross_entropy as ce
-                bwd = ce.cross_entropy_backward if ctx.use_triton else \
-                    ce.cross_entropy_backward_ref
-                out_TV = logits_TV if ctx.inplace_backward else None
-                dlogits_TV = bwd(logits_TV, labels_T, lse_T, grad_loss.float(), n_valid,
-                                 ctx.ignore_index, out_TV)
+            dlogits_TV = bwd(logits_TV, labels_T, lse_T, grad_loss.float(), n_valid,
+                             ctx.ignore_index, out_TV)
         ctx.logits_consumed = ctx.inplace_backward
         dx = matmul(dlogits_TV, w_VH) if ctx.needs_input_grad[0] else None
         dw = grads.mm_grad(w_VH, dlogits_TV.t(), x_TH) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def linear_cross_entropy(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor,
                          ignore_index: int = -100, *, impl: str = "auto",
-                         inplace_backward: bool = False, dlogits_in_forward: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         inplace_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, logits): loss = mean over tokens whose label != ignore_index of the fp32
     cross-entropy of logits = F.linear(x, w) (in x's dtype), a differentiable 0-d fp32 tensor
     (nan when every label is ignored, as F.cross_entropy); logits, not differentiable, shaped
     [..., V]. x is [T, H] or [..., H] with labels of its leading shape (already shifted: see
     `causal_shift`); w is [V, H]. `impl`: auto | triton | reference (module docstring);
-    `inplace_backward`: dlogits overwrite the returned logits' storage in backward;
-    `dlogits_in_forward`: the forward writes them there (module docstring) and the logits
-    returned are None."""
+    `inplace_backward`: dlogits overwrite the returned logits' storage in backward."""
     hidden = x_TH.shape[-1]
     vocab = w_VH.shape[0]
     if w_VH.dim() != 2 or w_VH.shape[1] != hidden:
@@ -140,9 +115,7 @@ def linear_cross_entropy(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch
     use_triton = _use_triton(impl, x_TH.device)
     loss, logits_TV = LinearCrossEntropy.apply(
         x_TH.reshape(-1, hidden), w_VH, labels_T.reshape(-1).to(x_TH.device).contiguous(),
-        ignore_index, use_triton, inplace_backward, dlogits_in_forward)
-    if dlogits_in_forward:
-        return loss, None
+        ignore_index, use_triton, inplace_backward)
     return loss, logits_TV.view(*x_TH.shape[:-1], vocab)
 
 
@@ -167,9 +140,7 @@ def head_loss(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor | N
     """(loss, logits) through the head w: `linear_cross_entropy` with labels, else
     (None, linear.linear(x, w): the logits, a sink weight's gradient written by the GEMM).
     `chunk_rows` > 0 with labels: (loss, None) of loss_chunked.py's head, `chunk_rows` rows at
-    a time, no logits kept (for callers that want none: the trainers). With
-    `inplace_backward` the forward writes dlogits (`dlogits_in_forward`, unless
-    MOEGRAPH_CE_FUSED=0) and the logits returned are None."""
+    a time, no logits kept (for callers that want none: the trainers)."""
     if labels_T is None:
         return None, module_linear(x_TH, w_VH)
     if chunk_rows > 0:
@@ -177,7 +148,4 @@ def head_loss(x_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor | N
         return chunked_linear_cross_entropy(
             x_TH, w_VH, labels_T, chunk_rows,
             use_triton=_use_triton("auto", x_TH.device)), None
-    from moegraph_kernels.cross_entropy_fused import enabled
-    fused = inplace_backward and enabled()
-    return linear_cross_entropy(x_TH, w_VH, labels_T, inplace_backward=inplace_backward,
-                                dlogits_in_forward=fused)
+    return linear_cross_entropy(x_TH, w_VH, labels_T, inplace_backward=inplace_backward)

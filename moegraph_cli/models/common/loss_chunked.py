@@ -5,8 +5,7 @@ mean fp32 cross-entropy over kept tokens of logits = x @ w.T in x's dtype, the s
 without its logits: for each chunk of `rows` rows it forms the chunk's logits, their lse and
 per-token loss, and, where a gradient is wanted, overwrites the chunk's logits with dlogits
 and runs both gradient GEMMs at once (dx of the chunk's rows; dW += dlogits^T x, rounded into
-W's dtype after each chunk), all in the forward. The lse, loss and dlogits of a chunk come
-from one kernel (cross_entropy_fused.py) unless MOEGRAPH_CE_FUSED=0. The backward only scales both by the
+W's dtype after each chunk), all in the forward. The backward only scales both by the
 incoming gradient (exact when it is 1, as `loss.backward()` gives).
 
 Memory, T tokens, V vocab, H hidden, b bytes of the model dtype: one chunk's logits
@@ -38,12 +37,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w_VH, labels_T, ignore_index, use_triton, rows):
         from moegraph_kernels import cross_entropy as ce
-        from moegraph_kernels import cross_entropy_fused as cf
         fwd = ce.cross_entropy_forward if use_triton else ce.cross_entropy_forward_ref
         bwd = ce.cross_entropy_backward if use_triton else ce.cross_entropy_backward_ref
-        fused = cf.cross_entropy_fused_ if use_triton else cf.cross_entropy_fused_ref_
         need_x, need_w = ctx.needs_input_grad[:2]
-        one_kernel = (need_x or need_w) and cf.enabled()
         num_tokens = x_TH.shape[0]
         n_valid = (labels_T != ignore_index).sum()
         one = torch.ones((), dtype=torch.float32, device=x_TH.device)
@@ -54,16 +50,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             hi = min(lo + rows, num_tokens)
             x_c, labels_c = x_TH[lo:hi], labels_T[lo:hi]
             logits_c = linear(x_c, w_VH)
-            if one_kernel:  # the loss, and dlogits (gradient 1) over the logits, in one kernel
-                loss_T[lo:hi] = fused(logits_c, labels_c, n_valid, ignore_index)[1]
-                dl_c = logits_c
-            else:
-                lse_c, loss_c = fwd(logits_c, labels_c, ignore_index)
-                loss_T[lo:hi] = loss_c
-                if not (need_x or need_w):
-                    continue
-                # dlogits of the mean loss (incoming gradient 1), over the chunk's own logits
-                dl_c = bwd(logits_c, labels_c, lse_c, one, n_valid, ignore_index, logits_c)
+            lse_c, loss_c = fwd(logits_c, labels_c, ignore_index)
+            loss_T[lo:hi] = loss_c
+            if not (need_x or need_w):
+                continue
+            # dlogits of the mean loss (incoming gradient 1), over the chunk's own logits
+            dl_c = bwd(logits_c, labels_c, lse_c, one, n_valid, ignore_index, logits_c)
             if need_x:
                 mm_out(dl_c, w_VH, dx_TH[lo:hi])
             if need_w:
