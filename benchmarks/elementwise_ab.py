@@ -112,10 +112,8 @@ def ce_bwd_entries(T: int) -> tuple[dict, int]:
         return lambda: [cross_entropy_backward(logits, labels, lse, grad, n_valid, out_TV=out,
                                                **kw)[::1024].clone()]  # a sample to compare
     fns = {"default": entry(), "twin": entry()}
-    for block, warps in ((2048, 4), (8192, 8), (4096, 4)):
+    for block, warps in ((2048, 4), (8192, 8), (8192, 16), (16384, 16), (4096, 4)):
         fns[f"b{block}w{warps}"] = entry(block_v=block, num_warps=warps)
-    for block, warps in ((2048, 4), (4096, 8), (8192, 8)):
-        fns[f"b{block}w{warps}_stream"] = entry(block_v=block, num_warps=warps, stream=True)
     return fns, 2 * logits.numel() * 2
 
 

@@ -136,10 +136,8 @@ def _ce_fwd_combine_kernel(
 def _ce_bwd_kernel(
     logits_ptr, dlogits_ptr, labels_ptr, lse_ptr, grad_loss_ptr, n_valid_ptr,
     V, stride_row, stride_drow, ignore_index,
-    BLOCK_V: tl.constexpr, STREAM: tl.constexpr = False,
+    BLOCK_V: tl.constexpr,
 ):
-    """STREAM: the logits' loads evict first and dlogits' stores stream past L2 (`.cs`): each
-    byte is touched once here, and the [T, V] tensors dwarf L2."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     col_ok = cols < V
@@ -151,12 +149,11 @@ def _ce_bwd_kernel(
         tl.load(n_valid_ptr).to(tl.float32), 1.0)
     lse = tl.load(lse_ptr + row)
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_cols,
-                other=0.0, eviction_policy="evict_first" if STREAM else "").to(tl.float32)
+                other=0.0).to(tl.float32)
     g = (tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)) * scale
     g = tl.where(valid, g, 0.0)
     tl.store(dlogits_ptr + row.to(tl.int64) * stride_drow + cols,
-             g.to(dlogits_ptr.dtype.element_ty), mask=col_ok,
-             cache_modifier=".cs" if STREAM else "")
+             g.to(dlogits_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _check_rows(name: str, rows_TV: torch.Tensor, labels_T: torch.Tensor) -> None:
@@ -218,11 +215,10 @@ def cross_entropy_forward(logits_TV: torch.Tensor, labels_T: torch.Tensor,
 def cross_entropy_backward(logits_TV: torch.Tensor, labels_T: torch.Tensor, lse_T: torch.Tensor,
                            grad_loss: torch.Tensor, n_valid: torch.Tensor,
                            ignore_index: int = -100, out_TV: torch.Tensor | None = None,
-                           block_v: int | None = None, num_warps: int | None = None,
-                           stream: bool = False) -> torch.Tensor:
+                           block_v: int | None = None, num_warps: int | None = None
+                           ) -> torch.Tensor:
     """dlogits [T, V] into out_TV (a new buffer in logits' dtype when None; logits_TV itself
-    for in place) and return it; see the module docstring. block_v, num_warps, stream (the
-    kernel's STREAM cache hints, GPU only): for tuning."""
+    for in place) and return it; see the module docstring."""
     _check_rows("logits", logits_TV, labels_T)
     num_rows, vocab = logits_TV.shape
     if out_TV is None:
@@ -240,8 +236,8 @@ def cross_entropy_backward(logits_TV: torch.Tensor, labels_T: torch.Tensor, lse_
     _ce_bwd_kernel[grid](
         logits_TV, out_TV, labels_T.contiguous(), lse_T, grad_loss, n_valid,
         vocab, logits_TV.stride(0), out_TV.stride(0), ignore_index,
-        BLOCK_V=block, STREAM=stream and logits_TV.is_cuda,
-        num_warps=num_warps or (8 if block > 2048 else 4), enable_fp_fusion=FUSED)
+        BLOCK_V=block, num_warps=num_warps or (8 if block > 2048 else 4),
+        enable_fp_fusion=FUSED)
     return out_TV
 
 
