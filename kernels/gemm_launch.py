@@ -44,6 +44,7 @@ class Plan(NamedTuple):
     store_tma: bool = False  # FC1 wrote Y1 and A through TMA store descriptors
     paired: bool = False  # FC1: gate and up as one [2, BN, BK] box, one dot; dact: a
     # [BM, 2 BN] tile, its epilogue in BN / 2 quarters
+    act_kernel: bool = False  # dact: the activation backward ran as its own kernel
 
 
 # The plan of the latest launch of each kernel ("fc1", "fc2"/"dx" by w_nk, "dact"), for tests
@@ -104,10 +105,12 @@ def launch_split(launch, routes: RouteList, cfg: GemmConfig, grid, live_list, me
 
 
 def with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: tuple,
-                  launch):
-    """launch(cfg), or launch(pointer-path cfg) where cfg's variant failed on this GPU."""
+                  launch, keep: tuple[str, ...] = ()):
+    """launch(cfg), or launch(pointer-path cfg) where cfg's variant failed on this GPU. `keep`
+    names GemmConfig fields the pointer path keeps from cfg (ones that shape the outputs)."""
     base = cfg._replace(tma=False, persistent=False, warp_specialize=False, split_tail=False,
                         paired=False)
+    base = base._replace(**{f: getattr(cfg, f) for f in keep})
     if cfg == base or device.type != "cuda" or not FALLBACK_ON_ERROR:
         return fitted(name, cfg, shape_key, launch) if device.type == "cuda" else launch(cfg)
     key = (name, cfg, shape_key)

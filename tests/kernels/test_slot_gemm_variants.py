@@ -174,7 +174,8 @@ def test_fc1_default_tiles_by_slot_block():
     of 64, FC2 four stages."""
     cuda = torch.device("cuda")
     assert tuple(gc.fc1_config(768, 128, cuda)) == (128, 128, 64, 4, 8, 4, False, False, True,
-                                                    False, False, False, None, False)
+                                                    False, False, False, None, False,
+                                                    False)
     assert tuple(gc.fc1_config(768, 64, cuda))[:6] == (64, 128, 32, 8, 4, 5)
     assert gc.fc1_config(1408, 128, cuda).block_n == 128  # 1408 = 11 x 128
     assert tuple(gc.fc2_config(2048, 128, cuda))[:6] == (128, 256, 64, 8, 8, 4)
@@ -753,3 +754,115 @@ def test_cuda_dact_paired_halves_are_bitwise_equal(case, variant, monkeypatch):
         assert torch.equal(g, w), (
             f"{what} under {variant}: max |diff| {(g.float() - w.float()).abs().max().item():.3e}")
     _check_paired_dact(got, want, live, same)
+
+
+DACT_ACT_CASES = [*CASES, *DACT_PAIR_CASES[1:2]]
+
+
+@pytest.mark.parametrize("variant", ["act", "persistent+act", "pair+act",
+                                     "persistent+pair+act"])
+@pytest.mark.parametrize("case", DACT_ACT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_dact_act_kernel_matches_the_fused_epilogue(case, variant):
+    """dact with its activation backward as its own kernel (GemmConfig.act_kernel,
+    kernels/dact_act.py) against the fused epilogue of the same tile: dY1 and A bitwise, dp_part
+    column by column to 1e-6 (summed in another kernel's order); dead blocks' rows left NaN."""
+    x, w_N, w_gate_up, w_down, dout, routes = _problem(case, None)
+    S, F = routes.num_slots, w_down.shape[2]
+    y1 = _default(case, None)["fc1"][0]
+    fused = _cfg().with_variant(variant.replace("+act", "").replace("act", "base"))
+    if fused.paired and F % (2 * fused.block_n):
+        pytest.skip("2 BN does not divide F")
+
+    def run(cfg):
+        outs = (_nan(S, 2 * F), _nan(S, F), _nan(S, dp_tiles(F, cfg)))
+        return list(dact_swiglu(dout, w_down, y1, w_N, routes, *outs, cfg))
+    want = run(fused)
+    got = run(fused._replace(act_kernel=True))
+    plan = gl.LAST_PLAN["dact"]
+    assert plan.act_kernel and plan.paired == fused.paired, plan
+    live = _live_rows(routes)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.isfinite(g[live]).all(), f"output {i}: a live row is not finite"
+        assert torch.isnan(g[~live]).all(), f"output {i}: a dead block's row was written"
+        if i < 2:
+            assert torch.equal(g[live], w[live]), f"output {i} differs from the fused epilogue"
+        else:
+            torch.testing.assert_close(g[live], w[live], rtol=1e-6, atol=1e-6)
+
+
+def test_dact_act_kernel_clamped_and_padding_rows():
+    """The clamped SwiGLU backward through the act kernel, and the padding slots of live
+    blocks written as zeros (as the fused epilogue writes them)."""
+    case = ("sparse_experts", 32, 2, 9, 32, 64)
+    x, w_N, w_gate_up, w_down, dout, routes = _problem(case, None)
+    S, F = routes.num_slots, w_down.shape[2]
+    y1 = _default(case, None)["fc1"][0]
+
+    def run(cfg):
+        outs = (_nan(S, 2 * F), _nan(S, F), _nan(S, dp_tiles(F, cfg)))
+        return list(dact_swiglu(dout, w_down, y1, w_N, routes, *outs, cfg,
+                                clamp=(1.702, 0.5)))
+    want, got = run(_cfg()), run(_cfg(act_kernel=True))
+    live = _live_rows(routes)
+    padding = live & (routes.slot_route == w_N.numel())
+    assert padding.any()
+    for i in range(3):
+        torch.testing.assert_close(got[i][live], want[i][live], rtol=1e-6, atol=1e-6)
+        assert (got[i][padding] == 0).all(), f"output {i}: a padding row is not zero"
+
+
+def test_dact_act_kernel_end_to_end_matches_reference():
+    """The permute-free experts with the act kernel picked for dact, NaN-poisoned scratch,
+    against reference_moe: output and every gradient."""
+    kind, T, k, E, H, F = ("zipf", 48, 4, 8, 32, 64)
+    x, ids, w, w_gate_up, w_down, dout = moe_inputs(kind, T, k, E, H, F, seed=5)
+    cfg = tile_configs(T * k, E, H, F, x.device)
+    cfg = cfg._replace(dact=cfg.dact._replace(act_kernel=True))
+    leaves = [t.clone().requires_grad_() for t in (x, w, w_gate_up, w_down)]
+    with poisoned_scratch():
+        y = permute_free_moe_with_drops(leaves[0], ids, leaves[1], leaves[2], leaves[3],
+                                        configs=cfg)[0]
+        got = [y, *torch.autograd.grad(y, leaves, dout)]
+    assert gl.LAST_PLAN["dact"].act_kernel
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w, w_gate_up, w_down)]
+    y_ref = reference_moe(ref_leaves[0], ids, ref_leaves[1], ref_leaves[2], ref_leaves[3])
+    want = [y_ref, *torch.autograd.grad(y_ref, ref_leaves, dout)]
+    for i, (g, r) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5, msg=lambda m: f"{i}: {m}")
+
+
+def test_dact_act_kernel_follows_its_switch(monkeypatch):
+    monkeypatch.setattr(gc, "DACT_ACT_KERNEL", True)
+    chosen = tile_configs(8192 * 8, 128, 2048, 768, torch.device("cuda"))
+    assert chosen.dact.act_kernel and chosen.dact.variant == "pair+act"
+    assert not any(c.act_kernel for c in chosen[1:] if c is not chosen.dact)
+    monkeypatch.setattr(gc, "DACT_ACT_KERNEL", False)
+    assert not tile_configs(8192 * 8, 128, 2048, 768, torch.device("cuda")).dact.act_kernel
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["pair", "tma+persistent+pair", "base"])
+@pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_dact_act_kernel_is_bitwise_the_fused_epilogue(case, variant, monkeypatch):
+    """dact's act kernel (the GEMM's dA, then kernels/dact_act.py) against the fused epilogue of
+    the same tile and variant: dY1 and A bitwise, dp_part to 1e-5 (its own sums' order)."""
+    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
+    fused = _gpu_default_config("dact", case)._replace(num_stages=3).with_variant(variant)
+    F = case[-1]
+    if fused.paired and F % (2 * fused.block_n):
+        pytest.skip("2 BN does not divide F")
+    y1 = _gpu_kernel("fc1", case, _gpu_default_config("fc1", case), None)[0]
+    want = _gpu_kernel("dact", case, fused, {"y1": y1})
+    got = _gpu_kernel("dact", case, fused._replace(act_kernel=True), {"y1": y1})
+    plan = gl.LAST_PLAN["dact"]
+    torch.cuda.synchronize()
+    assert plan.act_kernel and not plan.fallback, plan
+    live = _live_rows(_gpu_problem(case)[-1])
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.isnan(g[~live]).all(), f"output {i}: a dead block's row was written"
+        if i < 2:
+            assert torch.equal(g[live], w[live]), (
+                f"output {i} under {variant}: max |diff| "
+                f"{(g[live].float() - w[live].float()).abs().max().item():.3e}")
+        else:
+            torch.testing.assert_close(g[live], w[live], rtol=1e-5, atol=1e-5)
