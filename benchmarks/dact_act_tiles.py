@@ -1,11 +1,11 @@
 """dA's activation-backward kernel alone (kernels/dact_act.py) under candidate tiles.
 
-    python3 benchmarks/dact_act_tiles.py [--tokens 8192,32768] [--tiles 32x4,64x4,64x8]
+    python3 benchmarks/dact_act_tiles.py [--tokens 8192,32768] [--tiles 32x4x1,64x8x4]
         [--rounds 7] [--out PATH]
 
 Per T, Qwen3 expert shape (E = 128, k = 8, F = 768, uniform routing as benchmarks/experts.py
 draws it, the product's slot block): dA [S, F], Y1 [S, 2F] bf16 and the top-k weights random;
-dp_part in 64-column tiles (the paired dA tile's quarters). Each tile (rows a program x warps;
+dp_part in 64-column tiles (the paired dA tile's quarters). Each tile (rows a program x warps x dp_part columns a program;
 the first is the product's default) is one CUDA graph of one launch, timed side by side
 (common.graphed_ab: bursts led by the default's, a twin of it as the resolution, outputs
 compared with the default's bitwise): the median ms, the SM clock (NVML) and the effective
@@ -73,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8192,32768")
-    ap.add_argument("--tiles", default="16x4,32x8,64x4,64x8,128x8")
+    ap.add_argument("--tiles", default="16x4x1,64x4x1,64x8x1,32x4x3,32x4x12,64x8x4,16x4x12")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=str(default_out("dact_act_tiles.json")))
     args = ap.parse_args()

@@ -26,22 +26,21 @@ from .env import ints_from_env
 from .fp_fusion import FUSED
 from .gated_act import gated_backward, gated_forward
 
-# A tile (rows a program, warps) from MOEGRAPH_DACT_ACT_TILE="rows,warps", read once here.
-TILE_OVERRIDE = ints_from_env("MOEGRAPH_DACT_ACT_TILE", "rows,warps")
+# A tile (rows a program, warps, dp_part columns a program) from
+# MOEGRAPH_DACT_ACT_TILE="rows,warps,cols", read once here (benchmarks/dact_act_tiles.py sets
+# the module's value between captures).
+TILE_OVERRIDE = ints_from_env("MOEGRAPH_DACT_ACT_TILE", "rows,warps,cols")
 
 
 @triton.jit
-def _dact_act_kernel(
-    da_ptr, y1_ptr, weights_ptr, slot_route_ptr, block_expert_ptr, dy1_ptr, act_ptr, dp_ptr,
-    alpha, limit, num_routes, ffn, stride_da, stride_y1, stride_dy1, stride_act, stride_dp,
-    ROUTE_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
-    CLAMPED: tl.constexpr,
+def _dact_act_tile(
+    row0, col, da_ptr, y1_ptr, weights_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha,
+    limit, num_routes, ffn, stride_da, stride_y1, stride_dy1, stride_act, stride_dp,
+    BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, CLAMPED: tl.constexpr,
 ):
-    row0 = tl.program_id(0) * BLOCK_R
-    if tl.load(block_expert_ptr + row0 // ROUTE_BLOCK) < 0:
-        return
+    """Rows [row0, row0 + BLOCK_R) x dp_part column `col` (BLOCK_Q columns of F)."""
     offs_m = row0 + tl.arange(0, BLOCK_R)
-    offs_n = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_n = col * BLOCK_Q + tl.arange(0, BLOCK_Q)
     n_ok = offs_n < ffn
     route = tl.load(slot_route_ptr + offs_m)
     route_ok = route < num_routes
@@ -61,7 +60,27 @@ def _dact_act_kernel(
     tl.store(dy1_ptrs + ffn, du.to(dy1_ptr.dtype.element_ty), mask=out_mask)
     tl.store(act_ptr + rows * stride_act + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
              mask=out_mask)
-    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + tl.program_id(1), dp_part)
+    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + col, dp_part)
+
+
+@triton.jit
+def _dact_act_kernel(
+    da_ptr, y1_ptr, weights_ptr, slot_route_ptr, block_expert_ptr, dy1_ptr, act_ptr, dp_ptr,
+    alpha, limit, num_routes, ffn, num_cols, stride_da, stride_y1, stride_dy1, stride_act,
+    stride_dp, ROUTE_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
+    COLS: tl.constexpr, CLAMPED: tl.constexpr,
+):
+    """One program: BLOCK_R rows x COLS consecutive dp_part columns of BLOCK_Q."""
+    row0 = tl.program_id(0) * BLOCK_R
+    if tl.load(block_expert_ptr + row0 // ROUTE_BLOCK) < 0:
+        return
+    for c in tl.static_range(COLS):
+        col = tl.program_id(1) * COLS + c
+        if col < num_cols:
+            _dact_act_tile(row0, col, da_ptr, y1_ptr, weights_ptr, slot_route_ptr, dy1_ptr,
+                           act_ptr, dp_ptr, alpha, limit, num_routes, ffn, stride_da,
+                           stride_y1, stride_dy1, stride_act, stride_dp, BLOCK_R, BLOCK_Q,
+                           CLAMPED)
 
 
 def dact_act(da_SF: torch.Tensor, y1_S2F: torch.Tensor, topk_weights_N: torch.Tensor,
@@ -75,17 +94,18 @@ def dact_act(da_SF: torch.Tensor, y1_S2F: torch.Tensor, topk_weights_N: torch.Te
     if dp_part_out.shape[1] != triton.cdiv(ffn, width):
         raise ValueError(f"dact_act: dp_part_out has {dp_part_out.shape[1]} columns, "
                          f"{triton.cdiv(ffn, width)} wanted for {width}-wide tiles")
-    rows, warps = (min(32, block_m), 4) if da_SF.is_cuda else (min(16, block_m), 1)
+    rows, warps, cols = (min(32, block_m), 4, 1) if da_SF.is_cuda else (min(16, block_m), 1, 2)
     if da_SF.is_cuda and TILE_OVERRIDE is not None:
-        rows, warps = TILE_OVERRIDE
+        rows, warps, cols = TILE_OVERRIDE
     if block_m % rows or width & (width - 1):
         raise ValueError(f"dact_act: {rows} rows a program must divide the block of {block_m}, "
                          f"and the column tile ({width}) be a power of two")
     alpha, limit = (1.0, 1.0) if clamp is None else (float(clamp[0]), float(clamp[1]))
-    grid = (num_slots // rows, triton.cdiv(ffn, width))
+    num_cols = triton.cdiv(ffn, width)
+    grid = (num_slots // rows, triton.cdiv(num_cols, cols))
     _dact_act_kernel[grid](
         da_SF, y1_S2F, topk_weights_N, slot_route_S, block_expert, dy1_out, act_out,
-        dp_part_out, alpha, limit, topk_weights_N.numel(), ffn, da_SF.stride(0),
+        dp_part_out, alpha, limit, topk_weights_N.numel(), ffn, num_cols, da_SF.stride(0),
         y1_S2F.stride(0), dy1_out.stride(0), act_out.stride(0), dp_part_out.stride(0),
-        ROUTE_BLOCK=block_m, BLOCK_R=rows, BLOCK_Q=width,
+        ROUTE_BLOCK=block_m, BLOCK_R=rows, BLOCK_Q=width, COLS=cols,
         CLAMPED=clamp is not None, num_warps=warps, enable_fp_fusion=FUSED)
