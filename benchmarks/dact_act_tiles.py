@@ -73,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8192,32768")
-    ap.add_argument("--tiles", default="16x4x1,64x4x1,64x8x1,32x4x3,32x4x12,64x8x4,16x4x12")
+    ap.add_argument("--tiles", default="32x4x1,16x4x6,32x4x12,64x8x12,16x8x12")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=str(default_out("dact_act_tiles.json")))
     args = ap.parse_args()

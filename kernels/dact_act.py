@@ -94,14 +94,18 @@ def dact_act(da_SF: torch.Tensor, y1_S2F: torch.Tensor, topk_weights_N: torch.Te
     if dp_part_out.shape[1] != triton.cdiv(ffn, width):
         raise ValueError(f"dact_act: dp_part_out has {dp_part_out.shape[1]} columns, "
                          f"{triton.cdiv(ffn, width)} wanted for {width}-wide tiles")
-    rows, warps, cols = (min(32, block_m), 4, 1) if da_SF.is_cuda else (min(16, block_m), 1, 2)
+    num_cols = triton.cdiv(ffn, width)
+    # GPU: 16 rows, 4 warps, a row block's columns in one program (up to 16): the fastest of
+    # benchmarks/dact_act_tiles.py on an H100 at T = 8192 / 32768 (0.927x / 0.904x the 32-row
+    # tile of one column; dact_act_tiles_h100.json). The CPU runs two columns a program.
+    rows, warps, cols = (min(16, block_m), 4, min(num_cols, 16)) if da_SF.is_cuda else \
+        (min(16, block_m), 1, 2)
     if da_SF.is_cuda and TILE_OVERRIDE is not None:
         rows, warps, cols = TILE_OVERRIDE
     if block_m % rows or width & (width - 1):
         raise ValueError(f"dact_act: {rows} rows a program must divide the block of {block_m}, "
                          f"and the column tile ({width}) be a power of two")
     alpha, limit = (1.0, 1.0) if clamp is None else (float(clamp[0]), float(clamp[1]))
-    num_cols = triton.cdiv(ffn, width)
     grid = (num_slots // rows, triton.cdiv(num_cols, cols))
     _dact_act_kernel[grid](
         da_SF, y1_S2F, topk_weights_N, slot_route_S, block_expert, dy1_out, act_out,
