@@ -421,6 +421,30 @@ def test_a_variant_that_fails_on_the_gpu_is_replaced_by_the_pointer_path(monkeyp
         gl.with_fallback("fc2", cfg, cuda, (2,), launch)
 
 
+def test_dact_fallback_keeps_its_paired_tile(monkeypatch):
+    """dp_part's columns follow dact's paired tile (quarters): the pointer path that replaces a
+    failed dact variant keeps `paired`, so it writes every column the buffer was sized for."""
+    monkeypatch.setattr(gl, "_FAILED_VARIANTS", {})
+    ran = []
+
+    def launch(cfg):
+        ran.append(cfg)
+        for name in ("dact", "fc1"):
+            gl.LAST_PLAN[name] = gl.Plan(cfg.tma, cfg.persistent, cfg.flatten, False, 1)
+        if cfg.tma:
+            raise RuntimeError("a variant that cannot compile")
+        return "ran"
+
+    cfg = _cfg(tma=True, persistent=True, paired=True)
+    with pytest.warns(RuntimeWarning, match="variant"):
+        gl.with_fallback("dact", cfg, torch.device("cuda"), (1,), launch, keep=("paired",))
+    assert ran[-1] == cfg._replace(tma=False, persistent=False) and ran[-1].paired
+    # other kernels' pointer path drops it (FC1's paired box needs TMA)
+    with pytest.warns(RuntimeWarning, match="variant"):
+        gl.with_fallback("fc1", cfg, torch.device("cuda"), (1,), launch)
+    assert not ran[-1].paired and not ran[-1].tma
+
+
 def test_a_variant_over_shared_memory_loses_stages_before_it_falls_back(monkeypatch):
     """fp32 operands need twice a stage's bytes: on the H200 the 64-row dX tile's TMA +
     persistent variant asked 245808 B of 232448 at 3 stages. It keeps its variant at fewer
