@@ -102,7 +102,7 @@ def dact_source(cfg, route_block: int):
                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=H % cfg.block_k == 0,
                   EVEN_N=F % bn == 0, USE_TMA=use_tma, PERSISTENT=cfg.persistent,
                   FLATTEN=cfg.persistent and cfg.flatten, LIST_CHUNK=1024, CLAMPED=False,
-                  TAIL=0, PAIRED=paired, RAW=cfg.act_kernel)
+                  TAIL=0, PAIRED=paired)
     types = {"dp_ptr": "*fp32", "alpha": "fp32", "limit": "fp32",
              "w_desc": f"tensordesc<bf16[{cfg.block_k}, {bn}]>" if use_tma else "*bf16"}
     return _source(fn, consts, types, odd=("num_experts",)), cfg

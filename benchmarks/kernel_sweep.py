@@ -85,13 +85,6 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
             c = G(block, 128, 64, 8, 8, stages, maxnreg=128)
             out += [(f"{'x'.join(map(str, c[:6]))}+{v}", c.with_variant(v), True)
                     for v in ("r128", "tma+r128")]
-        # The activation backward as its own kernel (act_kernel, kernels/dact_act.py): the
-        # default's tile, then TMA weights, persistent, 3 and 4 stages (timed with that kernel)
-        acts = [d._replace(act_kernel=True)]
-        if d.paired:
-            acts += [d.with_variant(v) for v in ("tma+pair+act", "tma+persistent+pair+act")]
-            acts.append(d._replace(num_stages=4).with_variant("tma+persistent+pair+act"))
-        out += [(f"{'x'.join(map(str, c[:6]))}+{c.variant}", c, True) for c in acts]
     elif kernel == "dx":
         tiles = [d, d._replace(num_stages=4)]
         variants = ("base", "tma", "tma+persistent")

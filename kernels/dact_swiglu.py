@@ -13,11 +13,6 @@ F ffn width, E experts; all tensors row-major with a contiguous last dimension):
   those of a BN-wide tile's epilogue; each quarter writes its own dp_part column (`dp_tiles`).
   dY1 and A are those of the BN tile; dp_part sums its columns in other groups. No split tail
   with it.
-- `act_kernel` (GemmConfig): the GEMM's epilogue only stores dA rounded to the input dtype
-  (the value the epilogue above starts from) into an [S, F] scratch, and dact_act.py then runs
-  the activation backward from it: dY1 and A bitwise those of the fused epilogue, dp_part
-  columns as wide as the fused tile's (quarters where paired) but summed in that kernel's
-  order. The GEMM keeps its tile, variant and K order; no split tail with it.
 The gathered rows ride the A-tile load (`gathered_k_loop`, gathered_loop.py). Sentinel and
 padding rules, tile configs and the variants: gemm_config.py; launch and fallback:
 gemm_launch.py.
@@ -25,13 +20,11 @@ gemm_launch.py.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from . import gemm_launch as gl
 from . import tma
-from .dact_act import dact_act
 from .gated_act import gated_backward, gated_forward
 from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, dact_config
@@ -85,7 +78,7 @@ def _dact_swiglu_tile(
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
-    ROUTE_MASK: tl.constexpr, PAIRED: tl.constexpr, RAW: tl.constexpr,
+    ROUTE_MASK: tl.constexpr, PAIRED: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,10 +98,7 @@ def _dact_swiglu_tile(
         w_desc, expert * hidden, pid_n * BLOCK_N, 0,
         BLOCK_K=BLOCK_K, EVEN_K=EVEN_K, EVEN_N=EVEN_N, TWO_B=False, B_TMA=USE_TMA, B_NK=False)
 
-    if RAW:  # dA alone, into the [S, F] scratch passed as dy1 (dact_act.py does the rest)
-        tl.store(dy1_ptr + offs_m.to(tl.int64)[:, None] * stride_dy1 + offs_n[None, :],
-                 acc.to(dy1_ptr.dtype.element_ty), mask=n_ok[None, :])
-    elif PAIRED:
+    if PAIRED:
         route = tl.load(slot_route_ptr + offs_m)
         route_ok = route < num_routes
         # One [BM, 2 BN'] dot (BN' = BLOCK_N / 2, the config's block_n), rounded to the input
@@ -160,7 +150,7 @@ def _dact_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
-    PAIRED: tl.constexpr, RAW: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -179,7 +169,7 @@ def _dact_swiglu_kernel(
                 slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PAIRED, RAW)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PAIRED)
             if TAIL == 2:
                 _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                                 stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -195,7 +185,7 @@ def _dact_swiglu_kernel(
             slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PAIRED, RAW)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PAIRED)
         if TAIL == 2:
             _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                             stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -205,15 +195,10 @@ def _dact_swiglu_kernel(
 # Launchers.
 
 
-def dp_width(ffn: int, cfg: GemmConfig) -> int:
-    """Columns a dp_part column sums: the column tile, or with `paired` an epilogue quarter of
-    the 2 BN tile (BN / 2 columns)."""
-    return cfg.block_n // 2 if paired_tile(ffn, cfg) else cfg.block_n
-
-
 def dp_tiles(ffn: int, cfg: GemmConfig) -> int:
-    """Columns of dact_swiglu's dp_part buffer: one a dp_width-wide column tile."""
-    return triton.cdiv(ffn, dp_width(ffn, cfg))
+    """Columns of dact_swiglu's dp_part buffer: one a column tile, or with `paired` one an
+    epilogue quarter of the 2 BN tile (BN / 2 columns)."""
+    return triton.cdiv(ffn, cfg.block_n // 2 if paired_tile(ffn, cfg) else cfg.block_n)
 
 
 def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
@@ -227,13 +212,13 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
     if dp_part_out.shape[1] != dp_tiles(ffn, cfg):
         raise ValueError(f"dp_part_out has {dp_part_out.shape[1]} columns, the tile config "
                          f"needs {dp_tiles(ffn, cfg)}")
-    width = dp_width(ffn, cfg)
-    # The fallback keeps `paired` (a pointer-path tiling too): dp_part's columns follow it.
+    # The pointer path that replaces a failed variant keeps `paired` (a pointer-path tiling
+    # too): dp_part's columns follow it.
     return gl.with_fallback(
         "dact", cfg, dout_TH.device, (dout_TH.dtype, routes.block_m, hidden, ffn),
         lambda c: _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out,
-                               act_out, dp_part_out, c, clamp, width),
-        keep=("paired", "act_kernel"))
+                               act_out, dp_part_out, c, clamp),
+        keep=("paired",))
 
 
 def paired_tile(ffn: int, cfg: GemmConfig) -> bool:
@@ -244,18 +229,14 @@ def paired_tile(ffn: int, cfg: GemmConfig) -> bool:
 
 
 def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, act_out,
-                 dp_part_out, cfg, clamp=None, width=None):
+                 dp_part_out, cfg, clamp=None):
     num_tokens, hidden = dout_TH.shape
     ffn = w_down_EHF.shape[2]
     paired = paired_tile(ffn, cfg)
-    raw = cfg.act_kernel
     # The kernel's tile: 2 BN wide when paired (no split tail then: its zero rows are written
-    # per BN tile; nor with the act kernel, which writes every live row itself).
+    # per BN tile).
     tile = cfg._replace(block_n=2 * cfg.block_n, split_tail=False) if paired else cfg
-    tile = tile._replace(paired=False, split_tail=tile.split_tail and not raw)
-    # act_kernel: the GEMM writes dA into this scratch (as its dy1), dact_act the outputs.
-    da = torch.empty((routes.num_slots, ffn), dtype=dy1_out.dtype, device=dy1_out.device) \
-        if raw else dy1_out
+    tile = tile._replace(paired=False)
     w_desc = None
     # Tiles of w_down [E, H, F] past H would contract the next expert's rows: even H only.
     if tile.tma and tma.tma_available(dout_TH.device) and hidden % tile.block_k == 0:
@@ -267,21 +248,17 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
         _dact_swiglu_kernel[grid](
             dout_TH, w_down_EHF, w_down_EHF if w_desc is None else w_desc, y1_S2F,
             topk_weights_N, routes.slot_token, routes.slot_route, routes.block_expert,
-            live_list, routes.expert_counts, routes.expert_starts, w_down_EHF.shape[0], da,
+            live_list, routes.expert_counts, routes.expert_starts, w_down_EHF.shape[0], dy1_out,
             act_out, dp_part_out, *gl.act_scalars(clamp),
             num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
             dout_TH.stride(0), w_down_EHF.stride(0), w_down_EHF.stride(1), y1_S2F.stride(0),
-            da.stride(0), act_out.stride(0), dp_part_out.stride(0),
+            dy1_out.stride(0), act_out.stride(0), dp_part_out.stride(0),
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            PAIRED=paired, RAW=raw, **cfg.launch_options(), **meta)
+            PAIRED=paired, **cfg.launch_options(), **meta)
 
     gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, tile, grid, live_list, meta, plan,
                                            w_down_EHF.shape[0], ffn, dout_TH.device
-                                           )._replace(paired=paired, act_kernel=raw)
-    if raw:
-        dact_act(da, y1_S2F, topk_weights_N, routes.slot_route, routes.block_expert,
-                 routes.block_m, dy1_out, act_out, dp_part_out,
-                 width or dp_width(ffn, cfg), clamp)
+                                           )._replace(paired=paired)
     return dy1_out, act_out, dp_part_out

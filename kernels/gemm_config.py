@@ -42,15 +42,12 @@ tma.py and gemm_launch.py; the default is the pointer path with one program per 
 - `paired` (fc1_swiglu with `tma`, 2 BN <= 256): gate and up as one weight box; see
   fc1_swiglu.py. In dact_swiglu (where 2 BN divides F): a [BM, 2 BN] tile, one dot a K
   step, its epilogue in BN / 2 quarters; see dact_swiglu.py.
-- `act_kernel` (dact_swiglu only): the GEMM writes dA rounded to the input dtype (the value
-  its epilogue starts from) and a second, memory-bound kernel runs the activation backward
-  (dact_act.py), so the GEMM's epilogue is one store; see dact_swiglu.py.
 Every variant computes each output tile with the default's tile shape and K order, so on a GPU
 its results are bitwise equal to the default path's (the cuda tests check it); dact's paired
-tile writes dp_part in quarter columns, which sum in other groups, and its act_kernel sums
-each dp_part column in its own kernel's order (dY1 and A are bitwise in both). In the
-interpreter too, except the transposed TMA weight tile of fc1 / fc2, which numpy's matmul sums
-in another order (equal to 1e-6), and the split tail's half-height tiles (likewise).
+tile writes dp_part in quarter columns, which sum in other groups (its dY1 and A are
+bitwise). In the interpreter too, except the transposed TMA weight tile of fc1 / fc2, which
+numpy's matmul sums in another order (equal to 1e-6), and the split tail's half-height tiles
+(likewise).
 """
 
 from __future__ import annotations
@@ -82,11 +79,6 @@ FC1_PAIRED = flag_from_env("MOEGRAPH_FC1_PAIRED", True)
 # dA at 128-row blocks as the paired 128 x 256 tile (GemmConfig.paired, dact_swiglu.py), 3
 # stages: the product's choice in moe/experts.tile_configs unless MOEGRAPH_DACT_PAIRED=0.
 DACT_PAIRED = flag_from_env("MOEGRAPH_DACT_PAIRED", True)
-
-# dA's activation backward as its own kernel (GemmConfig.act_kernel, dact_act.py): the
-# product's choice in moe/experts.tile_configs where MOEGRAPH_DACT_ACT_KERNEL=1. Off until
-# measured on the H200.
-DACT_ACT_KERNEL = flag_from_env("MOEGRAPH_DACT_ACT_KERNEL", False)
 
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
 # compiled but its first launch failed with "operation not supported on global/shared address
@@ -120,9 +112,6 @@ class GemmConfig(NamedTuple):
     maxnreg: int | None = None
     # wgrad: the dW tile leaves by a TMA bulk store (kernels/wgrad.py). Others ignore it.
     store_tma: bool = False
-    # dact_swiglu: the activation backward as its own kernel after a plain dA GEMM
-    # (dact_act.py). Others ignore it.
-    act_kernel: bool = False
 
     def launch_options(self) -> dict:
         """The launch keywords of the tile: warps, stages, contraction (fp_fusion.py), and
@@ -136,7 +125,7 @@ class GemmConfig(NamedTuple):
     @property
     def variant(self) -> str:
         """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat', '+tail',
-        '+pair', '+rN', '+store', '+act'."""
+        '+pair', '+rN', '+store'."""
         parts = (["tma"] if self.tma else []) + (["persistent"] if self.persistent else [])
         if self.persistent and self.warp_specialize:
             parts.append("ws")
@@ -150,8 +139,6 @@ class GemmConfig(NamedTuple):
             parts.append(f"r{self.maxnreg}")
         if self.store_tma:
             parts.append("store")
-        if self.act_kernel:
-            parts.append("act")
         return "+".join(parts) or "base"
 
     def with_variant(self, name: str) -> GemmConfig:
@@ -159,18 +146,17 @@ class GemmConfig(NamedTuple):
         `variant` property's spelling)."""
         parts = set(name.split("+")) - {"base"}
         caps = {p for p in parts if p[:1] == "r" and p[1:].isdigit()}
-        unknown = parts - caps - {"tma", "persistent", "ws", "noflat", "tail", "pair", "store",
-                                  "act"}
+        unknown = parts - caps - {"tma", "persistent", "ws", "noflat", "tail", "pair", "store"}
         if unknown or len(caps) > 1:
             bad = sorted(unknown)[0] if unknown else sorted(caps)[1]
             raise ValueError(f"GemmConfig: unknown variant part {bad!r} in {name!r}; parts "
-                             "are tma, persistent, ws, noflat, tail, pair, store, act and one "
-                             "rN (a register cap)")
+                             "are tma, persistent, ws, noflat, tail, pair, store and one rN "
+                             "(a register cap)")
         return self._replace(tma="tma" in parts, persistent="persistent" in parts,
                              warp_specialize="ws" in parts, flatten="noflat" not in parts,
                              split_tail="tail" in parts, paired="pair" in parts,
                              maxnreg=int(next(iter(caps))[1:]) if caps else None,
-                             store_tma="store" in parts, act_kernel="act" in parts)
+                             store_tma="store" in parts)
 
 
 def route_block_m(num_routes: int, num_experts: int, device: torch.device) -> int:

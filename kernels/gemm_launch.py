@@ -44,7 +44,6 @@ class Plan(NamedTuple):
     store_tma: bool = False  # FC1 wrote Y1 and A through TMA store descriptors
     paired: bool = False  # FC1: gate and up as one [2, BN, BK] box, one dot; dact: a
     # [BM, 2 BN] tile, its epilogue in BN / 2 quarters
-    act_kernel: bool = False  # dact: the activation backward ran as its own kernel
 
 
 # The plan of the latest launch of each kernel ("fc1", "fc2"/"dx" by w_nk, "dact"), for tests

@@ -131,10 +131,6 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     dact = cfg.dact
     if gemm_config.DACT_PAIRED and block >= 128:
         dact = dact._replace(num_stages=3).with_variant("pair")
-    # MOEGRAPH_DACT_ACT_KERNEL=1: dA's activation backward as its own kernel (dact_act.py)
-    # after a GEMM whose epilogue is one store; off until measured on the H200.
-    if gemm_config.DACT_ACT_KERNEL:
-        dact = dact._replace(act_kernel=True)
     return cfg._replace(fc1=cfg.fc1.with_variant(fc1), fc2=fc2, dx=dx, dact=dact)
 
 

@@ -47,9 +47,9 @@ from ..distributed.layout import expert_shard_dim, experts_sharded
 from ..models.common.shapes import param_shapes
 from ..config import Profile
 from ..report.summary import DTYPE_BYTES, layer_shapes
-from .scope_memory import (ScopeMemory, dact_scratch_bytes, dp_part_bytes, expert_slots,
-                           first_moe_layer, fused_norms, loss_moments, param_bytes, rms_saved,
-                           route_block, shared_expert_memory)
+from .scope_memory import (ScopeMemory, dp_part_bytes, expert_slots, first_moe_layer,
+                           fused_norms, loss_moments, param_bytes, rms_saved, route_block,
+                           shared_expert_memory)
 
 EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down", "moe.b_gate_up", "moe.b_down")
 
@@ -461,8 +461,7 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
         saved += 8 * (S + 1) + 4 * (S // block) + 4 * NR + 8 * E_l + 8  # the RouteList
         # experts: act + Y2 + the partial [R, H]; then the combine
         fwd = max((4 + b) * T * H, b * S * F + b * S * H + b * R * H, combine) + b * T * H + ids
-        dp_part = dp_part_bytes(S, F, block, device_type) + dact_scratch_bytes(S, F, b,
-                                                                               device_type)
+        dp_part = dp_part_bytes(S, F, block, device_type)
         experts_bwd = (b * R * H + b * S * 2 * F  # gathered dOut, dY1
                        + max(b * S * F + dp_part, b * S * H + b * R * H)  # act | dx_S, dx_R
                        + 4 * S + (4 + b) * NR)  # the weights' grads

@@ -102,14 +102,6 @@ def dp_part_bytes(slots: int, ffn: int, block: int, device_type: str) -> int:
     return 4 * slots * (ffn // 64 if paired else max(1, ffn // 128))
 
 
-def dact_scratch_bytes(slots: int, ffn: int, dtype_bytes: int, device_type: str) -> int:
-    """dA [S, F] in the model dtype, live during dA alone, where moe/experts.tile_configs picks
-    dA's activation kernel (a GPU, MOEGRAPH_DACT_ACT_KERNEL=1; kernels/dact_swiglu.py's
-    `act_kernel`); 0 otherwise (a test keeps them equal)."""
-    on = device_type == "cuda" and flag_from_env("MOEGRAPH_DACT_ACT_KERNEL", False)
-    return dtype_bytes * slots * ffn if on else 0
-
-
 def expert_slots(num_tokens: int, top_k: int, num_experts: int, block: int,
                  capacity: int | None) -> int:
     """S of kernels/route_align.num_slots: padded slot count for a dispatch mode."""
@@ -273,11 +265,9 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         # FC2 writes Y2 beside the activation; the activation is freed before the combine's
         # output [T, H] is allocated, which takes its block where it fits.
         routed = max((2 * b if fused else 4 + b) * T * H, y2 + max(act, tok))
-        dp_part = dp_part_bytes(S, F, block, device_type) + dact_scratch_bytes(S, F, b,
-                                                                               device_type)
-        # dY1 throughout; beside it first the activation (FC2's dW) and dp's partials (and,
-        # with dA's activation kernel, dA while it runs), then the slots' dX with its
-        # combine and the router's and the residual's [T, H] grads.
+        dp_part = dp_part_bytes(S, F, block, device_type)
+        # dY1 throughout; beside it first the activation (FC2's dW) and dp's partials, then
+        # the slots' dX with its combine and the router's and the residual's [T, H] grads.
         bwd = params + b * S * 2 * F + max(act + dp_part, y2 + 3 * tok) + 4 * T * E
         shared_saved, _, shared_bwd = shared_expert_memory(prof)
         # The shared expert runs after the routed ones: its tensors are allocated when the

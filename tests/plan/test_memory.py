@@ -13,9 +13,8 @@ import torch
 from moegraph_cli.config import load_profile
 from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.plan.memory import step_model
-from moegraph_cli.plan.scope_memory import (ScopeMemory, attn_memory, dact_scratch_bytes,
-                                            dp_part_bytes, expert_slots, moe_memory,
-                                            route_block)
+from moegraph_cli.plan.scope_memory import (ScopeMemory, attn_memory, dp_part_bytes,
+                                            expert_slots, moe_memory, route_block)
 from moegraph_cli.plan.simulation import (MEDIUM_SEGMENT, MEDIUM_SEGMENTS_PER_POOL, StepModel,
                                           scope_refs)
 
@@ -90,20 +89,6 @@ def test_dp_part_formula_matches_the_kernels(paired, monkeypatch):
         cfg = tile_configs(routes, experts, 2048, ffn, torch.device("cuda"))
         block = route_block(routes, experts, "cuda")
         assert dp_part_bytes(1000, ffn, block, "cuda") == 4 * 1000 * dp_tiles(ffn, cfg.dact)
-
-
-@pytest.mark.parametrize("on", ["0", "1"])
-def test_dact_scratch_follows_tile_configs(on, monkeypatch):
-    """The planner's dA scratch is there exactly where tile_configs picks dA's activation
-    kernel (kernels/dact_swiglu.py `act_kernel`), on a GPU; never on the CPU."""
-    import moegraph_kernels.gemm_config as gc
-    from moegraph_cli.moe.experts import tile_configs
-    monkeypatch.setenv("MOEGRAPH_DACT_ACT_KERNEL", on)
-    monkeypatch.setattr(gc, "DACT_ACT_KERNEL", on == "1")
-    cfg = tile_configs(65536, 128, 2048, 768, torch.device("cuda"))
-    assert dact_scratch_bytes(1000, 768, 2, "cuda") == (2 * 1000 * 768 if cfg.dact.act_kernel
-                                                        else 0)
-    assert dact_scratch_bytes(1000, 768, 2, "cpu") == 0
 
 
 def test_slot_formula_matches_the_kernels():
