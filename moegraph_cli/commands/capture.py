@@ -39,7 +39,8 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
 
     torch.manual_seed(run.seed)
     model = build_model(spec, device, rt=rt, plan=plan)
-    trainer = make_trainer(model, run.lr, run.weight_decay, rt, run.grad_accum)
+    trainer = make_trainer(model, run.lr, run.weight_decay, rt, run.grad_accum,
+                           run.optim_overlap)
     it = batches(prof.model.vocab_size, run.batch * run.grad_accum, run.seq_len, run.seed, device, run.data,
                  rank=rank, world=world)
     tokens = run.batch * run.grad_accum * run.seq_len  # per rank and step
