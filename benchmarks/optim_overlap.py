@@ -6,15 +6,17 @@ step after the backward, side by side in one process on one model.
         [--out PATH]
 
 - `check` (eager, unless --no-check): from one saved state (parameters, AdamW states, step
-  count), two steps plain and two overlapped on the same batches: losses and every parameter
-  compared bitwise.
+  count), two steps plain, two plain again (the control: at load SDPA's backward need not
+  repeat itself) and two overlapped, on the same batches: losses and every parameter compared
+  bitwise.
 - `timing`: `eager_plain`, `eager_overlap` (the trainer with its overlap on or off) and, for
   `step`, `step_plain` / `step_overlap` (the whole step captured twice, once each way, on one
   trainer), each timed as `--reps` steps back to back between two CUDA events, the modes'
   rounds interleaved in shuffled orders (common.interleaved_ms); the median round, ms a step,
   and the SM clock NVML read during it.
 - `power`: per mode, one more burst while a thread samples NVML's board power and SM clock
-  every 20 ms: their means (the step runs at the board's power limit when these are flat).
+  every 20 ms: their means (the step runs at the board's power limit when these are flat),
+  and the board's energy a step from NVML's energy counter over the burst.
 - the overlap's own counters: fences run and parameters updated early in a step.
 
 Writes optim_overlap.json (--out; default $OUT/optim_overlap.json, else
@@ -38,6 +40,11 @@ def power_burst(fn, reps: int) -> dict:
     pynvml.nvmlInit()
     h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
     watts, mhz, stop = [], [], threading.Event()
+    try:
+        energy = pynvml.nvmlDeviceGetTotalEnergyConsumption  # mJ since the driver loaded
+        energy(h)
+    except Exception:  # noqa: BLE001 - older boards have no counter
+        energy = None
 
     def sample():
         while not stop.is_set():
@@ -47,19 +54,22 @@ def power_burst(fn, reps: int) -> dict:
     torch.cuda.synchronize()
     t = threading.Thread(target=sample, daemon=True)
     t.start()
+    e0 = energy(h) if energy else None
     for _ in range(reps):
         fn()
     torch.cuda.synchronize()
+    e1 = energy(h) if energy else None
     stop.set()
     t.join()
     limit = pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3
     return {"watts_mean": statistics.fmean(watts) if watts else None,
             "sm_mhz_mean": statistics.fmean(mhz) if mhz else None,
-            "samples": len(watts), "power_limit_w": limit}
+            "samples": len(watts), "power_limit_w": limit,
+            "joules_per_call": (e1 - e0) / 1e3 / reps if energy else None}
 
 
 def check_bitwise(trainer, ids_list) -> dict:
-    """Two steps plain, then two overlapped from the same saved state: equal?"""
+    """Two steps plain, two plain again, then two overlapped, from the same saved state."""
     import torch
     opt = trainer.optimizer
     saved = [t.clone() for g in opt.groups for t in (g.param, g.exp_avg, g.exp_avg_sq)]
@@ -79,6 +89,9 @@ def check_bitwise(trainer, ids_list) -> dict:
     plain = [float(trainer.step(ids)) for ids in ids_list]
     after = [g.param.clone() for g in opt.groups]
     restore()
+    again = [float(trainer.step(ids)) for ids in ids_list]
+    repeat = all(torch.equal(a, g.param) for a, g in zip(after, opt.groups))
+    restore()
     trainer.overlap = ov
     over = [float(trainer.step(ids)) for ids in ids_list]
     torch.cuda.synchronize()
@@ -86,8 +99,10 @@ def check_bitwise(trainer, ids_list) -> dict:
     restore()
     del saved, after
     torch.cuda.empty_cache()
-    return {"losses_plain": plain, "losses_overlap": over, "losses_equal": plain == over,
-            "params_bitwise": equal, "early_updates": ov.early, "fences": ov.fences}
+    return {"losses_plain": plain, "losses_plain_again": again, "losses_overlap": over,
+            "plain_repeats_bitwise": repeat and plain == again,
+            "losses_equal": plain == over, "params_bitwise": equal,
+            "early_updates": ov.early, "fences": ov.fences}
 
 
 def main() -> None:
