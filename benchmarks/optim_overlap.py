@@ -69,11 +69,15 @@ def power_burst(fn, reps: int) -> dict:
 
 
 def check_bitwise(trainer, ids_list) -> dict:
-    """Two steps plain, two plain again, then two overlapped, from the same saved state."""
+    """From one saved state: one step plain, then again plain (the control), overlapped on
+    the side stream, and overlapped inline (early updates on the current stream); each
+    compared parameter by parameter with the first, then a second step's loss."""
     import torch
+    from moegraph_cli.train.overlap import OptimizerOverlap
     opt = trainer.optimizer
     saved = [t.clone() for g in opt.groups for t in (g.param, g.exp_avg, g.exp_avg_sq)]
     saved_steps = [s.step.clone() for s in opt._scalars.values()]
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
 
     def restore():
         i = 0
@@ -85,24 +89,36 @@ def check_bitwise(trainer, ids_list) -> dict:
             s.step.copy_(v)
 
     ov = trainer.overlap
-    trainer.overlap = None
-    plain = [float(trainer.step(ids)) for ids in ids_list]
-    after = [g.param.clone() for g in opt.groups]
-    restore()
-    again = [float(trainer.step(ids)) for ids in ids_list]
-    repeat = all(torch.equal(a, g.param) for a, g in zip(after, opt.groups))
+    inline = OptimizerOverlap(trainer.model, opt, side_stream=False)
+    inline.expected = dict(ov.expected)
+    out = {}
+    first = None
+    for name, mode in (("plain", None), ("plain_again", None), ("overlap", ov),
+                       ("overlap_inline", inline)):
+        restore()
+        trainer.overlap = mode
+        losses = [float(trainer.step(ids_list[0]))]
+        torch.cuda.synchronize()
+        if first is None:
+            first = {id(p): p.detach().clone() for p in opt.params}
+            differ = []
+        else:
+            differ = [names[id(p)] for p in opt.params if not torch.equal(first[id(p)], p)]
+        losses.append(float(trainer.step(ids_list[1])))
+        out[name] = {"losses": losses, "params_differing_after_one_step": len(differ),
+                     "first_differing": differ[:8]}
+        if mode is not None:
+            out[name].update(early_updates=mode.early, fences=mode.fences)
     restore()
     trainer.overlap = ov
-    over = [float(trainer.step(ids)) for ids in ids_list]
-    torch.cuda.synchronize()
-    equal = all(torch.equal(a, g.param) for a, g in zip(after, opt.groups))
-    restore()
-    del saved, after
+    del saved, first
     torch.cuda.empty_cache()
-    return {"losses_plain": plain, "losses_plain_again": again, "losses_overlap": over,
-            "plain_repeats_bitwise": repeat and plain == again,
-            "losses_equal": plain == over, "params_bitwise": equal,
-            "early_updates": ov.early, "fences": ov.fences}
+    out["plain_repeats_bitwise"] = (out["plain_again"]["params_differing_after_one_step"] == 0
+                                    and out["plain"]["losses"] == out["plain_again"]["losses"])
+    for name in ("overlap", "overlap_inline"):
+        out[f"{name}_bitwise"] = (out[name]["params_differing_after_one_step"] == 0
+                                  and out[name]["losses"] == out["plain"]["losses"])
+    return out
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ class OptimizerOverlap:
     inside every complete backward pass (armed or not: the warm-up's teach the counts),
     `finish()` after the backward (it applies what is left)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer):
+    def __init__(self, model: torch.nn.Module, optimizer, side_stream: bool = True):
         self.model, self.optimizer = model, optimizer
         self.params = list(optimizer.params)
         self.expected: dict[int, int] | None = None
@@ -58,7 +58,7 @@ class OptimizerOverlap:
         first = self.params[0] if self.params else None
         # Made here, never inside a capture.
         self._side = torch.cuda.Stream(device=first.device) \
-            if first is not None and first.is_cuda else None
+            if side_stream and first is not None and first.is_cuda else None
         self.armed = False
 
     # -- per step ---------------------------------------------------------------------------
