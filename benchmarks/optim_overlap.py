@@ -106,7 +106,7 @@ def check_bitwise(trainer, ids_list) -> dict:
             differ = [names[id(p)] for p in opt.params if not torch.equal(first[id(p)], p)]
         losses.append(float(trainer.step(ids_list[1])))
         out[name] = {"losses": losses, "params_differing_after_one_step": len(differ),
-                     "first_differing": differ[:8]}
+                     "differing_nearest_the_loss": differ[-8:]}
         if mode is not None:
             out[name].update(early_updates=mode.early, fences=mode.fences)
     restore()
