@@ -17,6 +17,9 @@ step after the backward, side by side in one process on one model.
 - `power`: per mode, one more burst while a thread samples NVML's board power and SM clock
   every 20 ms: their means (the step runs at the board's power limit when these are flat),
   and the board's energy a step from NVML's energy counter over the burst.
+- `parts` (--parts): the same power burst for the step's two halves alone, eager: the
+  forward and backward without the update, and the AdamW update alone (the optimizer's
+  `step()` over the gradients left in place): where the step's energy goes.
 - the overlap's own counters: fences run and parameters updated early in a step.
 
 Writes optim_overlap.json (--out; default $OUT/optim_overlap.json, else
@@ -128,6 +131,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--modes", default="eager,step")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--parts", action="store_true")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -185,6 +189,13 @@ def main() -> None:
                     doc["timing"][name]["ms"] / doc["timing"][base]["ms"]
         write_json(out, doc)
         doc["power"] = {name: power_burst(fn, args.reps * 2) for name, fn in fns.items()}
+        if args.parts:
+            trainer.overlap = None
+            parts = {"forward_backward": lambda: Trainer.forward_backward(trainer, ids),
+                     "adamw": trainer.optimizer.step}
+            doc["parts"] = {name: power_burst(fn, args.reps * 2) for name, fn in parts.items()}
+            for name, fn in parts.items():
+                doc["parts"][name]["ms"] = interleaved_ms({name: fn}, args.reps, 3)[name]["ms"]
     except Exception as e:  # noqa: BLE001 - keep what was measured
         doc["error"] = error_text(e)
     trainer.overlap = ov
