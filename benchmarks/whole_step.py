@@ -126,7 +126,7 @@ def run_moegraph(name: str, args) -> dict:
     rec = {"batch": run.batch, "seq_len": run.seq_len}
     torch.manual_seed(run.seed)
     model = build_model(spec, dev)
-    trainer = GraphTrainer(model, run.lr, run.weight_decay, optim_overlap=run.optim_overlap)
+    trainer = GraphTrainer(model, run.lr, run.weight_decay)
     it = batches(prof.model.vocab_size, run.batch, run.seq_len, run.seed, dev)
     rec["eager"] = phase(trainer, it, args.steps, args.warmup, args.ops, args.kernels)
     for label, scopes in (("attn,moe", ["attn", "moe"]), ("step", ["step"])):

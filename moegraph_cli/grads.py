@@ -38,7 +38,7 @@ from . import matmul
 
 _ATTR = "_moegraph_grad_sink"
 _accumulate = False
-_written: dict[int, int] = {}  # id of each sink written in this backward pass -> its writes
+_written: set[int] = set()  # ids of the sinks written in this backward pass
 
 
 def sink(p: torch.Tensor, on: bool = True) -> None:
@@ -65,7 +65,7 @@ def backward_pass(accumulate: bool):
     added to `.grad` (`accumulate`) or overwrite it, each sink's first write starting fresh."""
     global _accumulate, _written
     before = (_accumulate, _written)
-    _accumulate, _written = accumulate, {}
+    _accumulate, _written = accumulate, set()
     try:
         yield
     finally:
@@ -78,15 +78,8 @@ def target(p: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     if not is_sink(p):
         return None
     acc = _accumulate or id(p) in _written
-    _written[id(p)] = _written.get(id(p), 0) + 1
+    _written.add(id(p))
     return p.grad, acc
-
-
-def write_counts() -> dict[int, int]:
-    """The live record of this backward pass: id(p) -> how many ops have taken p's gradient
-    target so far (each launches its write before autograd runs another node). Read it, do
-    not change it; train/overlap.py decides from it when a gradient is final."""
-    return _written
 
 
 def deposit(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:

@@ -39,8 +39,7 @@ def capture_command(spec: RunSpec, steps: int | None = None, warmup: int | None 
 
     torch.manual_seed(run.seed)
     model = build_model(spec, device, rt=rt, plan=plan)
-    trainer = make_trainer(model, run.lr, run.weight_decay, rt, run.grad_accum,
-                           run.optim_overlap)
+    trainer = make_trainer(model, run.lr, run.weight_decay, rt, run.grad_accum)
     it = batches(prof.model.vocab_size, run.batch * run.grad_accum, run.seq_len, run.seed, device, run.data,
                  rank=rank, world=world)
     tokens = run.batch * run.grad_accum * run.seq_len  # per rank and step

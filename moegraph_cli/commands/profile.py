@@ -66,8 +66,7 @@ def profile_command(spec: RunSpec, steps: int = 5, plot: str | None = None,
 
     torch.manual_seed(run.seed)
     model = build_model(spec, device, rt=rt)
-    trainer = make_trainer(model, run.lr, run.weight_decay, rt, run.grad_accum,
-                           run.optim_overlap)
+    trainer = make_trainer(model, run.lr, run.weight_decay, rt, run.grad_accum)
     it = batches(prof.model.vocab_size, run.batch * run.grad_accum, run.seq_len, run.seed, device, run.data,
                  rank=rank, world=world)
     flops, peak = step_flops(prof.model, run.batch * run.grad_accum, run.seq_len), peak_flops(device)

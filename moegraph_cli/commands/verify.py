@@ -111,8 +111,7 @@ def verify_command(spec: RunSpec, lr0: bool = True, steps: int = 6, tolerance: f
     def make():
         torch.manual_seed(run.seed)
         model = build_model(spec, device, rt=rt)
-        return model, make_trainer(model, lr, run.weight_decay, rt, run.grad_accum,
-                                   run.optim_overlap)
+        return model, make_trainer(model, lr, run.weight_decay, rt, run.grad_accum)
 
     def batch_iter():
         return batches(prof.model.vocab_size, run.batch * run.grad_accum, run.seq_len, run.seed, device,

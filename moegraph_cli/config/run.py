@@ -50,10 +50,6 @@ class RunConfig:
     # unless a plan chooses chunks (`moegraph plan` does where the budget needs it, before
     # any recompute).
     loss_chunk: typing.Union[int, str] = "auto"
-    # Each parameter's AdamW update as soon as its gradient is final, on a side stream under
-    # the rest of the backward (train/overlap.py): bitwise the same parameters. Single
-    # process, eager or the whole-step graph; scoped graphs and distributed runs step after.
-    optim_overlap: bool = False
     # Settings graph capture refuses (fail closed at plan and capture time):
     fp8: bool = False
     pipeline_interleave: int = 1

@@ -69,7 +69,6 @@ class DistTrainer(GraphTrainer):
         self.optimizer = _Optimizers(model, lr, weight_decay)
         allocate_grads(model)
         self.session = None
-        self.overlap = None  # the optimizer overlap is single-process only (train/overlap.py)
         # experts replicated over rt.dp_size > 1 ranks as plain tensors (distributed/model.py)
         replicated = rt.dp_size > 1
         self.experts = [p for p in expert_parameters(model) if replicated and not is_sharded(p)]

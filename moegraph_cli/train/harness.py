@@ -102,10 +102,9 @@ def capture_into(model, session, input_ids: torch.Tensor, rt=None, grad_accum: i
 
 
 def make_trainer(model, lr: float, weight_decay: float = 0.0, rt=None,
-                 grad_accum: int = 1, optim_overlap: bool = False) -> GraphTrainer:
-    """A single-process GraphTrainer, or the distributed one (`rt`; no optimizer overlap)."""
+                 grad_accum: int = 1) -> GraphTrainer:
     if rt is None:
-        return GraphTrainer(model, lr, weight_decay, grad_accum, optim_overlap)
+        return GraphTrainer(model, lr, weight_decay, grad_accum)
     from ..distributed.trainer import DistTrainer
     return DistTrainer(model, lr, weight_decay, rt)
 

@@ -191,78 +191,22 @@ class FlatAdamW:
     def step(self) -> None:
         """One AdamW step over every group: step count and bias corrections on the device, then
         one kernel (or the reference ops) per group. Reads `.grad`, never writes it."""
-        self.begin_step()
-        for group in self.groups:
-            self._update_range(group, 0, group.param.numel())
-
-    @torch.no_grad()
-    def begin_step(self) -> None:
-        """The first half of `step()`: advance the step count and form the bias corrections
-        on the device. `update(params)` calls then apply the step a part at a time (each
-        element exactly once per step, see `ranges`), in any order: the update is
-        elementwise, so the parameters come out bitwise as from one `step()`."""
         for s in self._scalars.values():
             s.step.add_(1)
             bias_correction_(s.step, s.pow_consts, s.pow_consts32, s.bias)
+        for group in self.groups:
+            s = self._scalars[group.param.device]
+            if group.use_triton:
+                adamw_step(group.param, group.grad, group.exp_avg, group.exp_avg_sq, s.lr,
+                           s.bias, self.beta1, self.beta2, self.eps, self.weight_decay)
+            else:
+                self._reference_step(group, s)
 
-    @torch.no_grad()
-    def update(self, params) -> None:
-        """Apply the step begun by `begin_step()` to `params` (packed parameters), one launch
-        per run of neighbouring slices (`ranges`)."""
-        for group, lo, hi in self.ranges(params):
-            self._update_range(group, lo, hi)
-
-    def ranges(self, params) -> list[tuple[FlatGroup, int, int]]:
-        """(group, lo, hi) flat ranges covering `params`: each parameter's slice with the
-        padding after it (so the ranges of all parameters tile every buffer exactly once),
-        neighbours merged. Unknown tensors are refused."""
-        where = self._where()
-        picked: dict[int, list[tuple[int, int]]] = {}
-        for p in params:
-            if id(p) not in where:
-                raise ValueError(f"FlatAdamW.update: a {list(p.shape)} tensor is not one of "
-                                 f"the packed parameters")
-            gi, lo, hi = where[id(p)]
-            picked.setdefault(gi, []).append((lo, hi))
-        out = []
-        for gi in sorted(picked):
-            spans = sorted(set(picked[gi]))
-            lo, hi = spans[0]
-            for a, b in spans[1:]:
-                if a == hi:
-                    hi = b
-                else:
-                    out.append((self.groups[gi], lo, hi))
-                    lo, hi = a, b
-            out.append((self.groups[gi], lo, hi))
-        return out
-
-    def _where(self) -> dict[int, tuple[int, int, int]]:
-        """id(param) -> (group index, lo, hi) of its slice and trailing padding."""
-        if getattr(self, "_where_cache", None) is None:
-            table = {}
-            for gi, g in enumerate(self.groups):
-                ends = g.offsets[1:] + [g.param.numel()]
-                for p, lo, hi in zip(g.params, g.offsets, ends):
-                    table[id(p)] = (gi, lo, hi)
-            self._where_cache = table
-        return self._where_cache
-
-    def _update_range(self, group: FlatGroup, lo: int, hi: int) -> None:
-        s = self._scalars[group.param.device]
-        bufs = [t if (lo, hi) == (0, t.numel()) else t[lo:hi] for t in group.buffers()]
-        if group.use_triton:
-            adamw_step(*bufs, s.lr, s.bias, self.beta1, self.beta2, self.eps,
-                       self.weight_decay)
-        else:
-            self._reference_step(*bufs, s)
-
-    def _reference_step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                        exp_avg_sq: torch.Tensor, s: _DeviceScalars) -> None:
+    def _reference_step(self, group: FlatGroup, s: _DeviceScalars) -> None:
         """torch.optim.AdamW's `_single_tensor_adam` (decoupled, capturable=False) on the flat
-        buffers (or a range of them), with its Python-double scalars: bitwise torch's, every
-        op being elementwise."""
+        buffers, with its Python-double scalars: bitwise torch's, every op being elementwise."""
         lr, step = float(s.lr.item()), float(s.step.item())
+        param, grad, exp_avg, exp_avg_sq = group.param, group.grad, group.exp_avg, group.exp_avg_sq
         if self.weight_decay != 0:
             param.mul_(1 - lr * self.weight_decay)
         exp_avg.lerp_(grad, 1 - self.beta1)

@@ -170,55 +170,32 @@ class Trainer:
     the micro-batches) comes back as a device tensor (no host sync)."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
-                 grad_accum: int = 1, optim_overlap: bool = False):
+                 grad_accum: int = 1):
         self.model = model
         self.grad_accum = grad_accum
         self.optimizer = make_optimizer(model, lr, weight_decay)
-        # run.optim_overlap: each parameter's update as soon as its gradient is final, on a
-        # side stream under the rest of the backward (train/overlap.py); bitwise the same.
-        self.overlap = None
-        if optim_overlap:
-            from .overlap import OptimizerOverlap
-
-            self.overlap = OptimizerOverlap(model, self.optimizer)
         # DeepSeek-V3's router-bias rule (moe.bias_update_rate), applied after each step
         self.bias_update = getattr(getattr(model, "moe_config", None), "bias_update_rate", 0) > 0
 
-    def forward_backward(self, input_ids: torch.Tensor, overlap: bool = False) -> torch.Tensor:
-        """Every micro-batch's forward and backward; the gradients are in `.grad` after.
-        `overlap`: the last micro-batch's backward also starts the optimizer step
-        (train/overlap.py; `step` finishes it)."""
+    def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Every micro-batch's forward and backward; the gradients are in `.grad` after."""
         total = None
-        micro = split_micro(input_ids, self.grad_accum)
-        for i, ids in enumerate(micro):
+        for i, ids in enumerate(split_micro(input_ids, self.grad_accum)):
             self.before_forward()
-            last = i == len(micro) - 1
-            if overlap and last:
-                self.overlap.arm()
             loss = self.model(ids, labels=ids, keep_logits=False).loss
             if self.grad_accum > 1:
                 loss = loss / self.grad_accum
             with grads.backward_pass(accumulate=i > 0):
                 loss.backward()
-                if last and self.overlap is not None:
-                    self.overlap.after_backward(grads.write_counts())
             total = loss.detach() if total is None else total + loss.detach()
         return total
-
-    def overlap_allowed(self) -> bool:
-        """Whether this step may overlap the optimizer with the backward."""
-        return self.overlap is not None
 
     def before_forward(self) -> None:
         """Called before each micro-batch's forward (a graph session re-arms here)."""
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
-        overlap = self.overlap_allowed()
-        loss = self.forward_backward(input_ids, overlap)
-        if overlap:
-            self.overlap.finish()
-        else:
-            self.optimizer.step()
+        loss = self.forward_backward(input_ids)
+        self.optimizer.step()
         if self.bias_update:
             from ..models.common.ffn import update_router_bias_
 
@@ -244,19 +221,13 @@ def train(model: torch.nn.Module, batch_iter: Iterator[torch.Tensor], steps: int
 class GraphTrainer(Trainer):
     """A Trainer whose micro-batches re-arm an installed graph session (one replay each)."""
 
-    def __init__(self, model, lr: float, weight_decay: float = 0.0, grad_accum: int = 1,
-                 optim_overlap: bool = False):
-        super().__init__(model, lr, weight_decay, grad_accum, optim_overlap)
+    def __init__(self, model, lr: float, weight_decay: float = 0.0, grad_accum: int = 1):
+        super().__init__(model, lr, weight_decay, grad_accum)
         self.session: GraphSession | None = None
 
     def before_forward(self) -> None:
         if self.session is not None:
             self.session.new_step()
-
-    def overlap_allowed(self) -> bool:
-        """Not under scoped graphs: their replayed backward graphs write gradients that
-        grads.py does not count, so nothing would be known final before the end."""
-        return self.overlap is not None and (self.session is None or self.session.whole_step)
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.session is not None and self.session.whole_step:
