@@ -35,7 +35,6 @@ def repeat(fn, repeats: int) -> dict:
             if not torch.equal(v, first[k]):
                 differ[k] += 1
                 worst[k] = max(worst[k], float((v.float() - first[k].float()).abs().max()))
-    torch.cuda.synchronize()
     return {k: {"runs_differing": differ[k], "max_abs_diff": worst[k]} for k in first}
 
 
