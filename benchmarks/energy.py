@@ -63,7 +63,7 @@ def experts_graph(T: int, routing: str):
         y = permute_free_moe(*args)
         torch.autograd.grad(y, leaves, dout)
     E, H, F, k = SHAPES["qwen3"]
-    return capture_graph(body), 3 * 2 * T * k * H * 3 * F
+    return capture_graph(body), 3 * 2 * T * k * H * 3 * F, (args, dout)
 
 
 def lm_head_graph(T: int):
@@ -72,7 +72,7 @@ def lm_head_graph(T: int):
     x = torch.randn(T, 2048, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.randn(151936, 2048, device="cuda", generator=gen).to(torch.bfloat16)
     out = torch.empty(T, 151936, device="cuda", dtype=torch.bfloat16)
-    return capture_graph(lambda: torch.mm(x, w.t(), out=out)), 2 * T * 2048 * 151936
+    return capture_graph(lambda: torch.mm(x, w.t(), out=out)), 2 * T * 2048 * 151936, (x, w, out)
 
 
 def attention_graph():
@@ -89,7 +89,7 @@ def attention_graph():
     def body():
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         torch.autograd.grad(o, leaves, do)
-    return capture_graph(body), int(2.5 * 2 * B * NQ * S * S * D)
+    return capture_graph(body), int(2.5 * 2 * B * NQ * S * S * D), (q, k, v, do)
 
 
 def main() -> None:
@@ -107,14 +107,14 @@ def main() -> None:
               for r in args.routing.split(",")]
     makers += [("lm_head_gemm", lambda: lm_head_graph(args.tokens)),
                ("attention_fwd_bwd", attention_graph)]
-    graphs = {}
+    graphs = {}  # name -> (graph, flops, the inputs it reads: kept alive with it)
     for name, make in makers:
         try:
             graphs[name] = make()
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             doc["records"].append({"part": name, "error": error_text(e)})
     for rnd in range(args.rounds):
-        for name, (graph, flops) in graphs.items():
+        for name, (graph, flops, _inputs) in graphs.items():
             rec = {"part": name, "round": rnd}
             try:
                 rec.update(burst(graph, args.burst_s), flops=flops)
