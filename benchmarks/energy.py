@@ -9,7 +9,7 @@ Parts (bf16, the 4-layer Qwen3-30B's shapes at 4 x 4096 tokens):
   F = 768, T tokens; useful FLOPs 3 x 2 T k H 3F);
 - `lm_head_gemm`: the lm head's forward GEMM, [T, 2048] @ [2048, 151936] (cuBLAS);
 - `attention_fwd_bwd`: SDPA's causal GQA attention, 4 x 4096, 32 / 4 heads of 128 (FLOPs
-  2.5 x the causal forward's 2 B N S^2 D).
+  3.5 x the causal forward's 2 B N S^2 D: the forward and a backward of 2.5 times it).
 Per part and round (every part's graph captured first, then `--rounds` rounds of one burst
 each): ms a call, mean board power (W) and joules a call from the counter, TFLOP/s, and
 joules per TFLOP. Under the board's power limit the step's time is its energy over the
@@ -89,7 +89,7 @@ def attention_graph():
     def body():
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         torch.autograd.grad(o, leaves, do)
-    return capture_graph(body), int(2.5 * 2 * B * NQ * S * S * D), (q, k, v, do)
+    return capture_graph(body), int(3.5 * 2 * B * NQ * S * S * D), (q, k, v, do)
 
 
 def main() -> None:
