@@ -54,17 +54,27 @@ def experts_part(T: int, routing: str, repeats: int) -> dict:
     return repeat(run, repeats)
 
 
-def attention_part(repeats: int) -> dict:
+# The 4-layer Qwen3-30B's attention at 4 x 4096 tokens: batch, sequence, query heads, K/V
+# heads, head dim (energy.py times the same case).
+ATTENTION_SHAPE = (4, 4096, 32, 4, 128)
+
+
+def attention_case():
+    """Seeded bf16 (q, k, v, do) on the GPU at ATTENTION_SHAPE, q, k and v leaves that
+    require grad."""
     import torch
-    import torch.nn.functional as F
     gen = torch.Generator(device="cuda").manual_seed(0)
-    B, S, NQ, NKV, D = 4, 4096, 32, 4, 128
+    B, S, NQ, NKV, D = ATTENTION_SHAPE
     q = torch.randn(B, NQ, S, D, device="cuda", generator=gen).to(torch.bfloat16)
     k = torch.randn(B, NKV, S, D, device="cuda", generator=gen).to(torch.bfloat16)
     v = torch.randn(B, NKV, S, D, device="cuda", generator=gen).to(torch.bfloat16)
     do = torch.randn(B, NQ, S, D, device="cuda", generator=gen).to(torch.bfloat16)
-    for t in (q, k, v):
-        t.requires_grad_()
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+def attention_part(repeats: int) -> dict:
+    import torch.nn.functional as F
+    q, k, v, do = attention_case()
 
     def run():
         for t in (q, k, v):

@@ -24,6 +24,7 @@ import argparse
 import time
 
 from common import capture_graph, default_out, environment, error_text, write_json
+from determinism import ATTENTION_SHAPE, attention_case
 from experts import SHAPES, make_case
 
 
@@ -78,13 +79,9 @@ def lm_head_graph(T: int):
 def attention_graph():
     import torch
     import torch.nn.functional as F
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    B, S, NQ, NKV, D = 4, 4096, 32, 4, 128
-    q = torch.randn(B, NQ, S, D, device="cuda", generator=gen).to(torch.bfloat16)
-    k = torch.randn(B, NKV, S, D, device="cuda", generator=gen).to(torch.bfloat16)
-    v = torch.randn(B, NKV, S, D, device="cuda", generator=gen).to(torch.bfloat16)
-    do = torch.randn(B, NQ, S, D, device="cuda", generator=gen).to(torch.bfloat16)
-    leaves = [t.requires_grad_() for t in (q, k, v)]
+    q, k, v, do = attention_case()
+    B, S, NQ, _, D = ATTENTION_SHAPE
+    leaves = [q, k, v]
 
     def body():
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
