@@ -1,0 +1,202 @@
+"""Hardware counters of each expert kernel, read by Nsight Compute (ncu): where a kernel's
+time goes (tensor pipe busy, warp stall reasons, L2 and DRAM throughput, occupancy), which
+throughput timings alone cannot say.
+
+    python3 benchmarks/ncu_kernels.py run [--tokens 8192] [--routing uniform]
+        [--kernels fc1,fc2,dact,dx,wgrad_down,wgrad_gate_up,dense_mm] [--out PATH]
+    python3 benchmarks/ncu_kernels.py launch ...     (what `run` profiles, under ncu)
+    python3 benchmarks/ncu_kernels.py summarize RAW.csv [--out PATH]
+
+`run` starts ncu on this script's `launch` (clocks left alone: `--clock-control none`; only
+the launches inside the NVTX range `ncu`), exports the report and reads its raw page back
+(`ncu --import REP --csv --page raw`), then `summarize`s it. `launch` builds benchmarks/
+kernel_sweep.py's case per (T, routing) (Qwen3 expert shape; the product's tiles), runs each
+kernel once to compile and warm it, then once more inside the range, in --kernels order;
+`dense_mm` is torch.mm of [T k, H] x [H, 2F] (cuBLAS: the same FLOPs as FC1 or dX).
+`summarize` keys each profiled launch by that order (the `order` line `launch` prints) and
+keeps, per kernel, the headline counters (HEADLINE) and every warp-stall ratio, plus all raw
+metrics under `raw`.
+
+Writes ncu_kernels.json (--out; default $OUT/ncu_kernels.json, else benchmarks/results/).
+Needs ncu on the PATH and a GPU whose counters it can read (see the device notes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+
+from common import default_out, environment, write_json
+
+KERNELS = ("fc1", "fc2", "dact", "dx", "wgrad_down", "wgrad_gate_up", "dense_mm")
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
+            "WarpStateStats", "SchedulerStats", "Occupancy", "LaunchStats")
+# name in the summary -> ncu raw metric
+HEADLINE = {
+    "duration_us": "gpu__time_duration.sum",
+    "sm_mhz": "sm__cycles_elapsed.avg.per_second",
+    "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "tensor_pipe_pct": "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "issue_active_pct": "sm__inst_issued.avg.pct_of_peak_sustained_active",
+    "l2_throughput_pct": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "l2_hit_pct": "lts__t_sector_hit_rate.pct",
+    "dram_throughput_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_gbytes": "dram__bytes.sum",
+    "warps_active_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "registers": "launch__registers_per_thread",
+    "grid": "launch__grid_size",
+}
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+STALL_SUFFIX = "_per_issue_active.ratio"
+
+
+def launch(args) -> None:
+    import torch
+    import kernel_sweep as ks
+    import moegraph_kernels.gemm_launch as gl
+    gl.FALLBACK_ON_ERROR = False
+    order = []
+    for T in map(int, args.tokens.split(",")):
+        for routing in args.routing.split(","):
+            t, defaults = ks.setup(T, routing, args.skew)
+            runs = []
+            for kernel in args.kernels.split(","):
+                if kernel == "dense_mm":
+                    a = torch.randn(T * ks.K, ks.H, device="cuda").to(torch.bfloat16)
+                    b = torch.randn(ks.H, 2 * ks.F, device="cuda").to(torch.bfloat16)
+                    runs.append((kernel, lambda a=a, b=b: torch.mm(a, b)))
+                else:
+                    fn, _outs = ks.runner(kernel, "default", getattr(defaults, kernel),
+                                          True, t)
+                    runs.append((kernel, fn))
+            for _, fn in runs:  # compile and warm, outside the range
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push("ncu")
+            for kernel, fn in runs:
+                fn()
+                order.append({"T": T, "routing": routing, "kernel": kernel})
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+    print("order " + json.dumps(order), flush=True)
+
+
+def rows_of(raw_csv: str) -> list[dict]:
+    """ncu's raw page as one dict per profiled launch: the header row names the metrics, the
+    row after it their units; values keep ncu's thousands separators out."""
+    rows = list(csv.reader(io.StringIO(raw_csv)))
+    start = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
+    head, body = rows[start], rows[start + 2:]
+    out = []
+    for r in body:
+        if len(r) != len(head):
+            continue
+        rec = {}
+        for k, v in zip(head, r):
+            try:
+                rec[k] = float(v.replace(",", ""))
+            except ValueError:
+                rec[k] = v
+        out.append(rec)
+    return out
+
+
+def summarize(raw_csv: str, order: list[dict]) -> list[dict]:
+    """One record per profiled launch, in `order`: the headline counters, the warp-stall
+    ratios (cycles a warp waits per issued instruction, by reason; largest first) and the
+    raw metrics."""
+    rows = rows_of(raw_csv)
+    if len(rows) != len(order):
+        raise ValueError(f"ncu profiled {len(rows)} launches, the launch order names "
+                         f"{len(order)}: another kernel ran inside the range")
+    out = []
+    for want, row in zip(order, rows):
+        rec = {**want, "kernel_name": row.get("Kernel Name")}
+        for name, metric in HEADLINE.items():
+            if isinstance(row.get(metric), float):
+                rec[name] = row[metric]
+        if "sm_mhz" in rec:
+            rec["sm_mhz"] = rec["sm_mhz"] / 1e6
+        if "duration_us" in rec:
+            rec["duration_us"] = rec["duration_us"] / 1e3
+        stalls = {k[len(STALL_PREFIX):-len(STALL_SUFFIX)]: v for k, v in row.items()
+                  if k.startswith(STALL_PREFIX) and k.endswith(STALL_SUFFIX)
+                  and "not_issued" not in k and isinstance(v, float)}
+        rec["stalls"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
+        rec["raw"] = {k: v for k, v in row.items() if isinstance(v, float)}
+        out.append(rec)
+    return out
+
+
+def run(args) -> None:
+    out = args.out or str(default_out("ncu_kernels.json"))
+    rep = os.path.splitext(out)[0] + ".ncu-rep"
+    me = os.path.abspath(__file__)
+    cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "ncu/",
+           "--replay-mode", "kernel", "-f", "--export", rep]
+    for s in SECTIONS:
+        cmd += ["--section", s]
+    cmd += [sys.executable, me, "launch", "--tokens", args.tokens, "--routing", args.routing,
+            "--kernels", args.kernels, "--skew", str(args.skew)]
+    prof = subprocess.run(cmd, capture_output=True, text=True)
+    order_lines = [ln for ln in prof.stdout.splitlines() if ln.startswith("order ")]
+    doc = {"benchmark": "ncu_kernels", **environment(), "ncu_command": " ".join(cmd),
+           "records": []}
+    if prof.returncode != 0 or not order_lines:
+        doc["error"] = (prof.stderr or prof.stdout)[-3000:]
+        write_json(out, doc)
+        sys.exit(f"ncu_kernels: ncu failed (rc {prof.returncode}); see {out}")
+    raw = subprocess.run(["ncu", "--import", rep, "--csv", "--page", "raw"],
+                         capture_output=True, text=True, check=True).stdout
+    doc["records"] = summarize(raw, json.loads(order_lines[-1][len("order "):]))
+    write_json(out, doc)
+    for r in doc["records"]:
+        top = ", ".join(f"{k} {v:.2f}" for k, v in list(r["stalls"].items())[:4])
+        print(f"T={r['T']} {r['routing']:8s} {r['kernel']:14s} "
+              f"{r.get('duration_us', 0):8.1f} us @{r.get('sm_mhz', 0):.0f} MHz "
+              f"tensor {r.get('tensor_pipe_pct', float('nan')):5.1f}% "
+              f"L2 {r.get('l2_throughput_pct', float('nan')):5.1f}% "
+              f"DRAM {r.get('dram_throughput_pct', float('nan')):5.1f}% | {top}")
+    print(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "launch"):
+        p = sub.add_parser(name)
+        p.add_argument("--tokens", default="8192")
+        p.add_argument("--routing", default="uniform")
+        p.add_argument("--skew", type=float, default=0.25)
+        p.add_argument("--kernels", default=",".join(KERNELS))
+        p.add_argument("--out", default=None)
+    p = sub.add_parser("summarize")
+    p.add_argument("raw_csv")
+    p.add_argument("--order", required=True, help="the JSON list `launch` printed")
+    p.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.cmd in ("run", "launch"):
+        bad = set(args.kernels.split(",")) - set(KERNELS)
+        if bad:
+            ap.error(f"--kernels: unknown {', '.join(sorted(bad))}; "
+                     f"known: {', '.join(KERNELS)}")
+    if args.cmd == "launch":
+        launch(args)
+    elif args.cmd == "run":
+        run(args)
+    else:
+        with open(args.raw_csv) as fh:
+            recs = summarize(fh.read(), json.loads(args.order))
+        out = args.out or str(default_out("ncu_kernels.json"))
+        write_json(out, {"benchmark": "ncu_kernels", **environment(device=False),
+                         "records": recs})
+        print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""benchmarks/ncu_kernels.py's reading of ncu's raw page, on the CPU: each profiled launch is
+keyed by the launch order, units and thousands separators handled, stalls ranked, and a
+launch count that does not match the order is an error rather than a shifted table."""
+
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+RAW = '''"ID","Kernel Name","gpu__time_duration.sum","sm__cycles_elapsed.avg.per_second","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_not_issued_per_issue_active.ratio","launch__grid_size"
+"","","nsecond","hz","ratio","ratio","ratio",""
+"0","_dact_swiglu_kernel","630,000","1,740,000,000","0.50","2.25","9.0","3,840"
+"1","nvjet_sm90_tst","400,000","1,455,000,000","0.10","0.05","1.0","132"
+'''
+
+
+@pytest.fixture()
+def ncu(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import ncu_kernels
+    return ncu_kernels
+
+
+def test_summarize_keys_launches_by_order(ncu):
+    order = [{"T": 8192, "routing": "uniform", "kernel": "dact"},
+             {"T": 8192, "routing": "uniform", "kernel": "dense_mm"}]
+    recs = ncu.summarize(RAW, order)
+    assert [r["kernel"] for r in recs] == ["dact", "dense_mm"]
+    assert recs[0]["kernel_name"] == "_dact_swiglu_kernel"
+    assert recs[0]["duration_us"] == pytest.approx(630.0)
+    assert recs[0]["sm_mhz"] == pytest.approx(1740.0)
+    assert recs[0]["grid"] == 3840
+    assert list(recs[0]["stalls"]) == ["long_scoreboard", "barrier"]  # ranked, not_issued out
+    assert recs[1]["stalls"]["barrier"] == pytest.approx(0.10)
+
+
+def test_launch_count_mismatch_is_an_error(ncu):
+    with pytest.raises(ValueError, match="profiled 2 launches"):
+        ncu.summarize(RAW, [{"T": 1, "routing": "u", "kernel": "dact"}])
