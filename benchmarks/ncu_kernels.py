@@ -14,8 +14,8 @@ kernel_sweep.py's case per (T, routing) (Qwen3 expert shape; the product's tiles
 kernel once to compile and warm it, then once more inside the range, in --kernels order;
 `dense_mm` is torch.mm of [T k, H] x [H, 2F] (cuBLAS: the same FLOPs as FC1 or dX).
 `summarize` keys each profiled launch by that order (the `order` line `launch` prints) and
-keeps, per kernel, the headline counters (HEADLINE) and every warp-stall ratio, plus all raw
-metrics under `raw`.
+keeps, per kernel, the headline counters (HEADLINE; `run` asks ncu for base units: ns, Hz,
+bytes) and every warp-stall ratio, plus all raw metrics under `raw`.
 
 Writes ncu_kernels.json (--out; default $OUT/ncu_kernels.json, else benchmarks/results/).
 Needs ncu on the PATH and a GPU whose counters it can read (see the device notes).
@@ -41,13 +41,13 @@ HEADLINE = {
     "duration_us": "gpu__time_duration.sum",
     "sm_mhz": "sm__cycles_elapsed.avg.per_second",
     "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "tensor_pipe_pct": "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
-    "issue_active_pct": "sm__inst_issued.avg.pct_of_peak_sustained_active",
+    "tensor_pipe_pct": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "issued_per_cycle": "sm__inst_issued.avg.per_cycle_active",
     "l2_throughput_pct": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
     "l2_hit_pct": "lts__t_sector_hit_rate.pct",
-    "dram_throughput_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "dram_gbytes": "dram__bytes.sum",
-    "warps_active_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "dram_throughput_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_bytes_per_s": "dram__bytes.sum.per_second",
+    "warps_active_per_cycle": "sm__warps_active.avg.per_cycle_active",
     "registers": "launch__registers_per_thread",
     "grid": "launch__grid_size",
 }
@@ -124,6 +124,8 @@ def summarize(raw_csv: str, order: list[dict]) -> list[dict]:
             rec["sm_mhz"] = rec["sm_mhz"] / 1e6
         if "duration_us" in rec:
             rec["duration_us"] = rec["duration_us"] / 1e3
+            if "dram_bytes_per_s" in rec:
+                rec["dram_gbytes"] = rec.pop("dram_bytes_per_s") * rec["duration_us"] / 1e15
         stalls = {k[len(STALL_PREFIX):-len(STALL_SUFFIX)]: v for k, v in row.items()
                   if k.startswith(STALL_PREFIX) and k.endswith(STALL_SUFFIX)
                   and "not_issued" not in k and isinstance(v, float)}
@@ -151,7 +153,8 @@ def run(args) -> None:
         doc["error"] = (prof.stderr or prof.stdout)[-3000:]
         write_json(out, doc)
         sys.exit(f"ncu_kernels: ncu failed (rc {prof.returncode}); see {out}")
-    raw = subprocess.run(["ncu", "--import", rep, "--csv", "--page", "raw"],
+    raw = subprocess.run(["ncu", "--import", rep, "--csv", "--page", "raw",
+                          "--print-units", "base"],
                          capture_output=True, text=True, check=True).stdout
     doc["records"] = summarize(raw, json.loads(order_lines[-1][len("order "):]))
     write_json(out, doc)
