@@ -39,7 +39,7 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
 # name in the summary -> ncu raw metric
 HEADLINE = {
     "duration_us": "gpu__time_duration.sum",
-    "sm_mhz": "sm__cycles_elapsed.avg.per_second",
+    "sm_mhz": "gpc__cycles_elapsed.avg.per_second",
     "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
     "tensor_pipe_pct": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
     "issued_per_cycle": "sm__inst_issued.avg.per_cycle_active",

@@ -8,7 +8,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
-RAW = '''"ID","Kernel Name","gpu__time_duration.sum","sm__cycles_elapsed.avg.per_second","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_not_issued_per_issue_active.ratio","launch__grid_size"
+RAW = '''"ID","Kernel Name","gpu__time_duration.sum","gpc__cycles_elapsed.avg.per_second","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_not_issued_per_issue_active.ratio","launch__grid_size"
 "","","nsecond","hz","ratio","ratio","ratio",""
 "0","_dact_swiglu_kernel","630,000","1,740,000,000","0.50","2.25","9.0","3,840"
 "1","nvjet_sm90_tst","400,000","1,455,000,000","0.10","0.05","1.0","132"
