@@ -3,7 +3,7 @@ time goes (tensor pipe busy, warp stall reasons, L2 and DRAM throughput, occupan
 throughput timings alone cannot say.
 
     python3 benchmarks/ncu_kernels.py run [--tokens 8192] [--routing uniform]
-        [--kernels fc1,fc2,dact,dx,wgrad_down,wgrad_gate_up,dense_mm] [--out PATH]
+        [--kernels fc1,fc2,dact,dx,wgrad_down,wgrad_gate_up,dense_mm] [--source] [--out PATH]
     python3 benchmarks/ncu_kernels.py launch ...     (what `run` profiles, under ncu)
     python3 benchmarks/ncu_kernels.py summarize RAW.csv [--out PATH]
 
@@ -16,6 +16,12 @@ kernel once to compile and warm it, then once more inside the range, in --kernel
 `summarize` keys each profiled launch by that order (the `order` line `launch` prints) and
 keeps, per kernel, the headline counters (HEADLINE; `run` asks ncu for base units: ns, Hz,
 bytes) and every warp-stall ratio, plus all raw metrics under `raw`.
+`--source` adds ncu's per-instruction warp-stall sampling (section SourceCounters, read back
+as the SASS source page of each launch): per kernel, the share of samples by how often an
+instruction ran (the K loop's instructions run once a K step, a tile's prologue and epilogue
+once a tile: `by_executions`), and the instructions with the most samples, with their
+leading stall reasons (`top`). Samples are taken at a fixed interval per warp, so a share of
+samples is a share of the warps' time.
 
 Writes ncu_kernels.json (--out; default $OUT/ncu_kernels.json, else benchmarks/results/).
 Needs ncu on the PATH and a GPU whose counters it can read (see the device notes).
@@ -52,6 +58,7 @@ HEADLINE = {
     "grid": "launch__grid_size",
 }
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+SAMPLES = "Warp Stall Sampling (All Samples)"
 STALL_SUFFIX = "_per_issue_active.ratio"
 
 
@@ -135,13 +142,42 @@ def summarize(raw_csv: str, order: list[dict]) -> list[dict]:
     return out
 
 
+def source_summary(page_csv: str, top: int = 12) -> dict:
+    """ncu's SASS source page of one launch (`--page source --csv --print-source sass`) as
+    the share of warp-stall samples by execution count and the `top` instructions."""
+    rows = list(csv.reader(io.StringIO(page_csv)))
+    start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    head = rows[start]
+    data = [dict(zip(head, r)) for r in rows[start + 1:] if len(r) == len(head)]
+    num = lambda v: float(v.replace(",", "")) if v not in ("", "-") else 0.0  # noqa: E731
+    total = sum(num(d[SAMPLES]) for d in data) or 1.0
+    groups: dict[float, list] = {}
+    for d in data:
+        g = groups.setdefault(num(d["Instructions Executed"]), [0, 0.0])
+        g[0] += 1
+        g[1] += num(d[SAMPLES])
+    reasons = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
+    out = {"samples": total,
+           "by_executions": [{"executed": ex, "instructions": n, "share": s / total}
+                             for ex, (n, s) in sorted(groups.items(), key=lambda kv: -kv[1][1])
+                             if s > 0],
+           "top": []}
+    for d in sorted(data, key=lambda d: -num(d[SAMPLES]))[:top]:
+        why = sorted(((r[len("stall_"):], num(d[r])) for r in reasons if num(d[r]) > 0),
+                     key=lambda kv: -kv[1])[:3]
+        out["top"].append({"sass": d["Source"].strip(), "share": num(d[SAMPLES]) / total,
+                           "executed": num(d["Instructions Executed"]),
+                           "reasons": {k: v / total for k, v in why}})
+    return out
+
+
 def run(args) -> None:
     out = args.out or str(default_out("ncu_kernels.json"))
     rep = os.path.splitext(out)[0] + ".ncu-rep"
     me = os.path.abspath(__file__)
     cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "ncu/",
            "--replay-mode", "kernel", "-f", "--export", rep]
-    for s in SECTIONS:
+    for s in SECTIONS + (("SourceCounters",) if args.source else ()):
         cmd += ["--section", s]
     cmd += [sys.executable, me, "launch", "--tokens", args.tokens, "--routing", args.routing,
             "--kernels", args.kernels, "--skew", str(args.skew)]
@@ -157,6 +193,14 @@ def run(args) -> None:
                           "--print-units", "base"],
                          capture_output=True, text=True, check=True).stdout
     doc["records"] = summarize(raw, json.loads(order_lines[-1][len("order "):]))
+    for i, rec in enumerate(doc["records"] if args.source else []):
+        page = subprocess.run(["ncu", "--import", rep, "--page", "source", "--csv",
+                               "--print-source", "sass", "--launch-skip", str(i),
+                               "--launch-count", "1"], capture_output=True, text=True)
+        try:
+            rec["source"] = source_summary(page.stdout)
+        except (StopIteration, KeyError, ValueError) as exc:
+            rec["source"] = {"error": f"{type(exc).__name__}: {exc}; {page.stderr[-300:]}"}
     write_json(out, doc)
     for r in doc["records"]:
         top = ", ".join(f"{k} {v:.2f}" for k, v in list(r["stalls"].items())[:4])
@@ -165,6 +209,10 @@ def run(args) -> None:
               f"tensor {r.get('tensor_pipe_pct', float('nan')):5.1f}% "
               f"L2 {r.get('l2_throughput_pct', float('nan')):5.1f}% "
               f"DRAM {r.get('dram_throughput_pct', float('nan')):5.1f}% | {top}")
+        if "by_executions" in r.get("source", {}):
+            print("    samples by executions: " + ", ".join(
+                f"x{g['executed']:.0f} ({g['instructions']} instr) {100 * g['share']:.1f}%"
+                for g in r["source"]["by_executions"][:3]))
     print(out)
 
 
@@ -178,6 +226,9 @@ def main() -> None:
         p.add_argument("--skew", type=float, default=0.25)
         p.add_argument("--kernels", default=",".join(KERNELS))
         p.add_argument("--out", default=None)
+        if name == "run":
+            p.add_argument("--source", action="store_true",
+                           help="add per-instruction warp-stall sampling (SourceCounters)")
     p = sub.add_parser("summarize")
     p.add_argument("raw_csv")
     p.add_argument("--order", required=True, help="the JSON list `launch` printed")

@@ -38,3 +38,26 @@ def test_summarize_keys_launches_by_order(ncu):
 def test_launch_count_mismatch_is_an_error(ncu):
     with pytest.raises(ValueError, match="profiled 2 launches"):
         ncu.summarize(RAW, [{"T": 1, "routing": "u", "kernel": "dact"}])
+
+
+PAGE = '''"Kernel Name","_expert_wgrad_kernel",""
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_barrier","stall_long_sb","stall_barrier (Not Issued)"
+"0x1","      LDC R1, c[0x0][0x28]","10","1,056","0","10","0"
+"0x2","      BAR.SYNC.DEFER_BLOCKING 0x0","60","837,120","50","10","50"
+"0x3","      HGMMA.64x128x16.F32.BF16 R24","20","837,120","0","0","0"
+"0x4","      STSM.16.M88.4 [R8], R136","10","98,304","0","0","0"
+"0x5","      NOP","0","0","0","0","0"
+'''
+
+
+def test_source_summary_groups_samples_by_executions(ncu):
+    got = ncu.source_summary(PAGE, top=2)
+    assert got["samples"] == 100
+    groups = {g["executed"]: (g["instructions"], g["share"]) for g in got["by_executions"]}
+    assert groups[837120] == (2, pytest.approx(0.8))  # the K loop
+    assert groups[98304] == (1, pytest.approx(0.1))   # once a tile
+    assert 0 not in groups                            # never ran, no samples
+    assert [t["sass"] for t in got["top"]] == ["BAR.SYNC.DEFER_BLOCKING 0x0",
+                                               "HGMMA.64x128x16.F32.BF16 R24"]
+    assert got["top"][0]["reasons"] == {"barrier": pytest.approx(0.5),
+                                        "long_sb": pytest.approx(0.1)}
