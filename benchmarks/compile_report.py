@@ -75,14 +75,11 @@ def slot_gemm_source(cfg, route_block: int, w_nk: bool):
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
                   WARP_SPECIALIZE=False, HAS_BIAS=False, TAIL=0,
-                  C_TMA=cfg.store_tma and n % cfg.block_n == 0,
                   **_meta(cfg._replace(tma=use_tma)))
     w_box = [cfg.block_n, cfg.block_k] if w_nk else [cfg.block_k, cfg.block_n]
     types = {"a_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>" if use_tma
              else "*bf16",
-             "w_desc": f"tensordesc<bf16[{w_box[0]}, {w_box[1]}]>" if use_tma else "*bf16",
-             "c_desc": (f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>" if consts["C_TMA"]
-                        else "*bf16")}
+             "w_desc": f"tensordesc<bf16[{w_box[0]}, {w_box[1]}]>" if use_tma else "*bf16"}
     return _source(fn, consts, types, odd=("num_experts",)), cfg
 
 

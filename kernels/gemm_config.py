@@ -110,8 +110,7 @@ class GemmConfig(NamedTuple):
     # A register cap a thread (ptxas .maxnreg, Triton's `maxnreg`): at 128, two 8-warp CTAs
     # fit an SM's 64 K registers where their shared memory fits too. None: ptxas decides.
     maxnreg: int | None = None
-    # wgrad and slot_gemm (FC2, dX): the output tile leaves by a TMA bulk store
-    # (kernels/wgrad.py, kernels/slot_gemm.py). Others ignore it.
+    # wgrad: the dW tile leaves by a TMA bulk store (kernels/wgrad.py). Others ignore it.
     store_tma: bool = False
 
     def launch_options(self) -> dict:

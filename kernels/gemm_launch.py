@@ -41,7 +41,7 @@ class Plan(NamedTuple):
     grid: int
     fallback: str = ""  # why the requested variant was replaced by the pointer path
     tail: bool = False  # a second launch of half-height tiles ran the experts' last blocks
-    store_tma: bool = False  # FC1 wrote Y1 and A, slot_gemm C, through TMA store descriptors
+    store_tma: bool = False  # FC1 wrote Y1 and A through TMA store descriptors
     paired: bool = False  # FC1: gate and up as one [2, BN, BK] box, one dot; dact: a
     # [BM, 2 BN] tile, its epilogue in BN / 2 quarters
 
@@ -108,7 +108,7 @@ def with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: t
     """launch(cfg), or launch(pointer-path cfg) where cfg's variant failed on this GPU. `keep`
     names GemmConfig fields the pointer path keeps from cfg (ones that shape the outputs)."""
     base = cfg._replace(tma=False, persistent=False, warp_specialize=False, split_tail=False,
-                        paired=False, store_tma=False)
+                        paired=False)
     base = base._replace(**{f: getattr(cfg, f) for f in keep})
     if cfg == base or device.type != "cuda" or not FALLBACK_ON_ERROR:
         return fitted(name, cfg, shape_key, launch) if device.type == "cuda" else launch(cfg)

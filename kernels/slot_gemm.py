@@ -17,7 +17,7 @@ import triton.language as tl
 from . import gemm_launch as gl
 from . import tma
 from .fp_fusion import FUSED
-from .gemm_config import GemmConfig, slot_gemm_config, splits_tail
+from .gemm_config import GemmConfig, slot_gemm_config
 from .route_align import RouteList
 from .slot_schedule import live_block_list, persistent_tile, program_tile, store_zero_rows
 
@@ -25,12 +25,11 @@ from .slot_schedule import live_block_list, persistent_tile, program_tile, store
 @triton.jit
 def _slot_gemm_tile(
     pid_m, pid_n, expert,
-    a_ptr, a_desc, w_ptr, w_desc, c_ptr, c_desc, N, K,
+    a_ptr, a_desc, w_ptr, w_desc, c_ptr, N, K,
     stride_a, stride_we, stride_w, stride_c,
     bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
     W_NK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    C_TMA: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,16 +73,13 @@ def _slot_gemm_tile(
         b = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok,
                     other=0.0).to(tl.float32)
         acc += p[:, None] * b[None, :]
-    if C_TMA:  # whole column tiles (N % BLOCK_N == 0): the box is the tile
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_ptr.dtype.element_ty))
-    else:
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[None, :])
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit
 def _slot_gemm_kernel(
-    a_ptr, a_desc, w_ptr, w_desc, c_ptr, c_desc, block_expert_ptr, live_list_ptr,
+    a_ptr, a_desc, w_ptr, w_desc, c_ptr, block_expert_ptr, live_list_ptr,
     expert_counts_ptr, expert_starts_ptr, num_experts, num_slots, N, K,
     stride_a, stride_we, stride_w, stride_c,
     bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
@@ -92,7 +88,7 @@ def _slot_gemm_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    TAIL: tl.constexpr, C_TMA: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -109,20 +105,20 @@ def _slot_gemm_kernel(
                 pid_m, pid_n, expert = persistent_tile(tile, live_list_ptr, num_live, num_blocks,
                                                        num_pid_n, GROUP_M)
                 _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr,
-                                c_desc, N, K, stride_a, stride_we, stride_w, stride_c,
+                                N, K, stride_a, stride_we, stride_w, stride_c,
                                 bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
                                 W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA,
-                                HAS_BIAS, C_TMA)
+                                HAS_BIAS)
         else:
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                                  flatten=FLATTEN):
                 pid_m, pid_n, expert = persistent_tile(tile, live_list_ptr, num_live, num_blocks,
                                                        num_pid_n, GROUP_M)
                 _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr,
-                                c_desc, N, K, stride_a, stride_we, stride_w, stride_c,
+                                N, K, stride_a, stride_we, stride_w, stride_c,
                                 bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
                                 W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA,
-                                HAS_BIAS, C_TMA)
+                                HAS_BIAS)
                 if TAIL == 2:
                     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
                     store_zero_rows(c_ptr, (pid_m + 1) * BLOCK_M, stride_c, offs_n, offs_n < N,
@@ -134,11 +130,10 @@ def _slot_gemm_kernel(
             ROUTE_BLOCK, TAIL)
         if not ok:
             return
-        _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr, c_desc, N,
-                        K, stride_a, stride_we, stride_w, stride_c,
+        _slot_gemm_tile(pid_m, pid_n, expert, a_ptr, a_desc, w_ptr, w_desc, c_ptr, N, K,
+                        stride_a, stride_we, stride_w, stride_c,
                         bias_ptr, weights_ptr, slot_route_ptr, num_routes, stride_be,
-                        W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS,
-                        C_TMA)
+                        W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS)
         if TAIL == 2:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             store_zero_rows(c_ptr, (pid_m + 1) * BLOCK_M, stride_c, offs_n, offs_n < N,
@@ -176,7 +171,6 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=N
         if w_desc is not None:
             a_desc = tma.descriptor(a_SK, (cfg.block_m, cfg.block_k))
     use_tma = w_desc is not None
-    c_tma = _slot_gemm_store_tma(cfg, out, n, routes)
     # The bias epilogue's pointer loads would break warp specialization (TMA loads only).
     grid, live_list, meta, plan = gl.build_plan(routes, cfg, n, a_SK.device, use_tma,
                                                 ws_ok=use_tma and bias_EN is None)
@@ -185,10 +179,8 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=N
         # The tail tile (TAIL = 2) reads A through a box half as tall; no warp specialization.
         a_box = a_desc if tail != 2 or not use_tma else \
             tma.descriptor(a_SK, (cfg.block_m, cfg.block_k))
-        store = c_tma and tail != 2
         _slot_gemm_kernel[grid](
             a_SK, a_box if use_tma else a_SK, w_E, w_desc if use_tma else w_E, out,
-            tma.descriptor(out, (cfg.block_m, cfg.block_n)) if store else out,
             routes.block_expert, live_list, routes.expert_counts, routes.expert_starts,
             w_E.shape[0], routes.num_slots, n, k_dim,
             a_SK.stride(0), w_E.stride(0), w_E.stride(1), out.stride(0),
@@ -200,18 +192,10 @@ def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=N
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k_dim % cfg.block_k == 0,
             EVEN_N=n % cfg.block_n == 0, WARP_SPECIALIZE=plan.warp_specialize and tail != 2,
-            TAIL=tail, C_TMA=store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            TAIL=tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=FUSED, **meta)
 
-    gl.LAST_PLAN["fc2" if w_nk else "dx"] = gl.launch_split(
-        launch, routes, cfg, grid, live_list, meta, plan._replace(store_tma=c_tma),
-        w_E.shape[0], n, a_SK.device)
+    gl.LAST_PLAN["fc2" if w_nk else "dx"] = gl.launch_split(launch, routes, cfg, grid,
+                                                            live_list, meta, plan,
+                                                            w_E.shape[0], n, a_SK.device)
     return out
-
-
-def _slot_gemm_store_tma(cfg: GemmConfig, out, n: int, routes: RouteList) -> bool:
-    """Whether the tiles leave by TMA stores (`GemmConfig.store_tma`, see the docstring)."""
-    box = (cfg.block_m, cfg.block_n)
-    return (cfg.store_tma and tma.tma_available(out.device) and n % cfg.block_n == 0
-            and not splits_tail(routes, cfg) and not (out.is_cuda and out.element_size() > 2)
-            and tma.matrix_fits(out, box))

@@ -357,55 +357,6 @@ def test_fc1_tma_stores_match_pointer_stores(store_tma, case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("variant", ["store", "tma+store", "tma+persistent+store"])
-def test_slot_gemm_tma_store_matches_pointer_stores(case, variant):
-    """GemmConfig.store_tma on FC2 and dX: each tile leaves by a TMA store of its [BM, BN]
-    box where N fills whole column tiles (H = 64, 32: yes; 33, 36, 20: pointer stores), with
-    the default's values; dead blocks stay unwritten (NaN)."""
-    plans = _check_against_default(case, None, _cfg().with_variant(variant))
-    H = case[4]
-    for kernel in ("fc2", "dx"):
-        assert plans[kernel].store_tma == (H % 32 == 0), (kernel, plans[kernel])
-
-
-def test_slot_gemm_tma_store_stays_off_where_it_cannot_run():
-    """No TMA store for a split tail (its half-height tiles), a 4-byte output on a GPU (the
-    staging tile), a ragged last column tile or an output a descriptor cannot describe; and
-    the pointer path a failed variant falls back to drops it."""
-    from moegraph_kernels.slot_gemm import _slot_gemm_store_tma
-    _, _, _, _, _, routes = _problem(("one_expert", 40, 1, 5, 64, 64), None)
-    cfg = _cfg().with_variant("tma+store")
-    out = torch.zeros(routes.num_slots, 64)
-    assert _slot_gemm_store_tma(cfg, out, 64, routes)
-    assert not _slot_gemm_store_tma(cfg._replace(store_tma=False), out, 64, routes)
-    assert not _slot_gemm_store_tma(cfg, out, 48, routes)  # 48 % 32: a ragged tile
-    assert not _slot_gemm_store_tma(cfg, out[:, :63], 63, routes)  # rows not 16-byte apart
-    tail_routes = _problem(("zipf", 96, 4, 7, 32, 32), None, 32)[-1]
-    tail = gc.GemmConfig(32, 32, 32, 4, 4, 1).with_variant("tma+tail+store")
-    assert gc.splits_tail(tail_routes, tail)
-    assert not _slot_gemm_store_tma(tail, torch.zeros(tail_routes.num_slots, 32), 32,
-                                    tail_routes)
-
-
-def test_failed_variant_falls_back_without_its_tma_store(monkeypatch):
-    """A GPU variant that fails is replaced by the pointer path, which must not keep asking
-    for the TMA store (a pointer-path launch cannot take the descriptor it was refused)."""
-    monkeypatch.setattr(gl, "_FAILED_VARIANTS", {})
-    monkeypatch.setattr(gl, "LAST_PLAN", {"dx": gl.Plan(True, True, True, False, 1)})
-    seen = []
-
-    def launch(c):
-        seen.append(c)
-        if c.tma:
-            raise RuntimeError("the variant does not compile here")
-        return "ran"
-    cfg = _cfg().with_variant("tma+persistent+store")
-    with pytest.warns(RuntimeWarning, match="using the pointer path"):
-        assert gl.with_fallback("dx", cfg, torch.device("cuda"), ("store",), launch) == "ran"
-    assert seen[0] == cfg and seen[-1].variant == "base", seen
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 @pytest.mark.parametrize("variant", ["tma+pair", "tma+persistent+pair"])
 def test_fc1_paired_gate_up_box_matches_the_default(case, capacity_factor, variant):
@@ -677,29 +628,6 @@ def test_cuda_fc1_tma_stores_are_bitwise_equal_to_pointer_stores(case, monkeypat
     torch.cuda.synchronize()
     live = _live_rows(_gpu_problem(case)[-1])
     assert plan.store_tma, plan
-    for g, w in zip(got, want):
-        assert torch.isnan(g[~live]).all() and torch.equal(g[live], w[live]), plan
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["fc2", "dx"])
-@pytest.mark.parametrize("case", GPU_SHAPES, ids=lambda c: "-".join(map(str, c)))
-def test_cuda_slot_gemm_tma_store_is_bitwise_equal(case, kernel, monkeypatch):
-    """FC2 and dX with the tile left by a TMA store (3 stages beside the 64 KB staging tile)
-    against the same tile's pointer stores: bitwise, no fallback, dead blocks unwritten."""
-    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
-    base = _gpu_default_config(kernel, case).with_variant("tma+persistent")._replace(
-        num_stages=3)
-    y1, act = _gpu_kernel("fc1", case, _gpu_default_config("fc1", case), None)
-    dy1 = _gpu_kernel("dact", case, _gpu_default_config("dact", case), {"y1": y1})[0]
-    inputs = {"y1": y1, "act": act, "dy1": dy1}
-    want = _gpu_kernel(kernel, case, base, inputs)
-    got = _gpu_kernel(kernel, case, base._replace(store_tma=True), inputs)
-    plan = gl.LAST_PLAN[kernel]
-    torch.cuda.synchronize()
-    live = _live_rows(_gpu_problem(case)[-1])
-    on_hopper = torch.cuda.get_device_capability()[0] >= 9
-    assert plan.store_tma == on_hopper and not plan.fallback, plan
     for g, w in zip(got, want):
         assert torch.isnan(g[~live]).all() and torch.equal(g[live], w[live]), plan
 
