@@ -280,6 +280,14 @@ def grouped_mm_wgrad(l_rows, r_rows, routes, out, gather_l: bool):
     return launch
 
 
+def dense_mm(T: int, dtype):
+    """launch() of the dense ceiling: torch.mm of [T k, H] x [H, 2F] (FC1's or dX's FLOPs)."""
+    import torch
+    a = torch.randn(T * K, H, device=DEVICE).to(dtype)
+    b = torch.randn(H, 2 * F, device=DEVICE).to(dtype)
+    return lambda: torch.mm(a, b)
+
+
 def live_rows(routes):
     return (routes.block_expert >= 0).repeat_interleave(routes.block_m)
 
@@ -311,14 +319,12 @@ def main() -> None:
             t, defaults = setup(T, routing, args.skew)
             live = live_rows(t["routes"])
             n = T * K
-            a, b = torch.randn(n, H, device=DEVICE).to(t["x"].dtype), \
-                torch.randn(H, 2 * F, device=DEVICE).to(t["x"].dtype)
-            mm = lambda: torch.mm(a, b)  # noqa: E731
+            mm = dense_mm(T, t["x"].dtype)
             dense = graph_ms(mm, args.rounds) if args.sequential else \
                 interleaved_graph_ms({"dense_mm": mm}, args.rounds)["dense_mm"]["ms"]
             doc["records"].append(dict(T=T, routing=routing, kernel="dense_mm", ms=dense,
                                        tflops=2 * n * H * 2 * F / dense / 1e9))
-            del a, b
+            del mm  # its closure holds the dense operands
             for kernel in args.kernels.split(","):
                 want, pending = None, {}
                 for name, cfg, padded in all_candidates(kernel, defaults.route_block,

@@ -74,9 +74,7 @@ def launch(args) -> None:
             runs = []
             for kernel in args.kernels.split(","):
                 if kernel == "dense_mm":
-                    a = torch.randn(T * ks.K, ks.H, device="cuda").to(torch.bfloat16)
-                    b = torch.randn(ks.H, 2 * ks.F, device="cuda").to(torch.bfloat16)
-                    runs.append((kernel, lambda a=a, b=b: torch.mm(a, b)))
+                    runs.append((kernel, ks.dense_mm(T, t["x"].dtype)))
                 else:
                     fn, _outs = ks.runner(kernel, "default", getattr(defaults, kernel),
                                           True, t)
@@ -93,6 +91,14 @@ def launch(args) -> None:
     print("order " + json.dumps(order), flush=True)
 
 
+def _number(text: str) -> float | None:
+    """An ncu CSV cell as a number (thousands separators dropped), or None for text."""
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
 def rows_of(raw_csv: str) -> list[dict]:
     """ncu's raw page as one dict per profiled launch: the header row names the metrics, the
     row after it their units; values keep ncu's thousands separators out."""
@@ -103,13 +109,7 @@ def rows_of(raw_csv: str) -> list[dict]:
     for r in body:
         if len(r) != len(head):
             continue
-        rec = {}
-        for k, v in zip(head, r):
-            try:
-                rec[k] = float(v.replace(",", ""))
-            except ValueError:
-                rec[k] = v
-        out.append(rec)
+        out.append({k: v if (n := _number(v)) is None else n for k, v in zip(head, r)})
     return out
 
 
@@ -149,7 +149,7 @@ def source_summary(page_csv: str, top: int = 12) -> dict:
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     head = rows[start]
     data = [dict(zip(head, r)) for r in rows[start + 1:] if len(r) == len(head)]
-    num = lambda v: float(v.replace(",", "")) if v not in ("", "-") else 0.0  # noqa: E731
+    num = lambda v: _number(v) or 0.0  # noqa: E731 - "" and "-" count as no samples
     total = sum(num(d[SAMPLES]) for d in data) or 1.0
     groups: dict[float, list] = {}
     for d in data:
