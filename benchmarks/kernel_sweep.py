@@ -64,6 +64,8 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         # either, and both.
         plain = d._replace(persistent=False, store_tma=False)
         out += [("plain", plain, True)] if plain != d else []
+        # The warp-specialized Gluon kernel (kernels/wgrad_ws.py) at the default's tile.
+        out += [("ws", d._replace(persistent=True, warp_specialize=True), True)]
         out += [("persistent", plain._replace(persistent=True), True),
                 ("tmastore", plain._replace(store_tma=True), True),
                 ("persistent+tmastore", plain._replace(persistent=True, store_tma=True), True)]

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from . import gemm_launch as gl
 from . import tma
+from . import wgrad_ws
 from .env import flag_from_env
 from .fp_fusion import FUSED
 from .gemm_config import GemmConfig, tile_from_env
@@ -66,6 +67,8 @@ PADDED_K = flag_from_env("MOEGRAPH_WGRAD_PADDED", True)
 # for tests and benchmarks; LAST_WGRAD_STORE the same launch's (persistent, TMA store).
 LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool]] = {}
 LAST_WGRAD_STORE: dict[bool, tuple[bool, bool]] = {}
+# Whether the latest launch ran the warp-specialized Gluon kernel (wgrad_ws.py), same keys.
+LAST_WGRAD_WS: dict[bool, bool] = {}
 
 # The long-loop tiles' two variants (`wgrad_config`): `GemmConfig.persistent`, one program an
 # SM over the tiles (each tile's K loop as before), and `GemmConfig.store_tma`, the tile
@@ -245,6 +248,17 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     num_experts, m, n = out_EMN.shape
     cfg = cfg or wgrad_config(n, l_rows.device)
     padded = PADDED_K and routes.block_m % cfg.block_k == 0
+    if (cfg.warp_specialize and padded and wgrad_ws.available(l_rows.device)
+            and wgrad_ws.fits(l_rows, r_rows, out_EMN, gather_l, gather_r, cfg.block_m,
+                              cfg.block_n, cfg.block_k, accumulate)):
+        LAST_WGRAD_PLAN[gather_l] = (True, True)
+        LAST_WGRAD_STORE[gather_l] = (True, True)
+        LAST_WGRAD_WS[gather_l] = True
+        return wgrad_ws.expert_wgrad_ws(
+            l_rows, r_rows, routes.slot_token, routes.expert_starts, routes.expert_counts,
+            routes.token_slots.shape[0], routes.num_slots, out_EMN, gather_l, cfg.block_m,
+            cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_stages,
+            tma.num_programs(l_rows.device))
     l_desc = r_desc = None
     if padded and cfg.tma and tma.tma_available(l_rows.device):
         # The slot-order operand (there is one: a gathered one has no rows to box) by TMA.
@@ -253,6 +267,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
         if not gather_r and tma.matrix_fits(r_rows, (cfg.block_k, cfg.block_n)):
             r_desc = tma.descriptor(r_rows, (cfg.block_k, cfg.block_n))
     LAST_WGRAD_PLAN[gather_l] = (padded, l_desc is not None or r_desc is not None)
+    LAST_WGRAD_WS[gather_l] = False
     dw_desc = _out_desc(out_EMN, cfg, accumulate)
     num_tiles = num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     persistent = cfg.persistent and tma.persistent_available()
