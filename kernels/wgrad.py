@@ -39,6 +39,8 @@ reference is autograd through moe/reference.py's bias terms.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -69,6 +71,7 @@ LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool]] = {}
 LAST_WGRAD_STORE: dict[bool, tuple[bool, bool]] = {}
 # Whether the latest launch ran the warp-specialized Gluon kernel (wgrad_ws.py), same keys.
 LAST_WGRAD_WS: dict[bool, bool] = {}
+_WS_FAILED: set = set()  # (cfg, gather_l, dtype, M, N) whose Gluon launch failed here
 
 # The long-loop tiles' two variants (`wgrad_config`): `GemmConfig.persistent`, one program an
 # SM over the tiles (each tile's K loop as before), and `GemmConfig.store_tma`, the tile
@@ -77,6 +80,15 @@ LAST_WGRAD_WS: dict[bool, bool] = {}
 # 1 force them off or on (A/B runs); unset, the config's choice.
 PERSISTENT = flag_from_env("MOEGRAPH_WGRAD_PERSISTENT", None)
 STORE_TMA = flag_from_env("MOEGRAPH_WGRAD_TMA_STORE", None)
+
+# The long-loop tiles ask for the warp-specialized Gluon kernel (`GemmConfig.warp_specialize`,
+# kernels/wgrad_ws.py), taken on a Hopper GPU where the launch fits and the Triton kernel
+# otherwise; the same sums. H100 (benchmarks/kernel_sweep.py, Qwen3 shape,
+# results/kernel_sweep_ws_h100.json), ms against the persistent TMA tile: dW_gate_up 0.981
+# -> 0.812 (T = 8192 skewed), 1.710 -> 1.431 (16384 uniform), 3.057 -> 2.678 (32768
+# uniform); dW_down 0.777 -> 0.700, 1.408 -> 1.312 (16384, 32768 uniform).
+# MOEGRAPH_WGRAD_WS=0 keeps the Triton kernel.
+WARP_SPECIALIZED = flag_from_env("MOEGRAPH_WGRAD_WS", True)
 
 
 def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None = None,
@@ -112,6 +124,7 @@ def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None =
         # 1.011 / 1.001 -> 0.930 / 0.959 at 8192 with the store, but at 32768 3.264 / 3.270
         # -> 3.142 / 3.207 persistent alone against 3.153 / 3.432 with it: its store is kept
         # to the shorter loops (at most 1024 slots an expert).
+        wide = wide._replace(warp_specialize=WARP_SPECIALIZED)
         if slot_order_l:
             store = routes_per_expert is None or routes_per_expert <= 1024
             return _forced(wide._replace(persistent=True, store_tma=store))
@@ -248,17 +261,28 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     num_experts, m, n = out_EMN.shape
     cfg = cfg or wgrad_config(n, l_rows.device)
     padded = PADDED_K and routes.block_m % cfg.block_k == 0
-    if (cfg.warp_specialize and padded and wgrad_ws.available(l_rows.device)
+    ws_key = (cfg, gather_l, l_rows.dtype, m, n)
+    if (cfg.warp_specialize and padded and ws_key not in _WS_FAILED
+            and wgrad_ws.available(l_rows.device)
             and wgrad_ws.fits(l_rows, r_rows, out_EMN, gather_l, gather_r, cfg.block_m,
                               cfg.block_n, cfg.block_k, accumulate)):
-        LAST_WGRAD_PLAN[gather_l] = (True, True)
-        LAST_WGRAD_STORE[gather_l] = (True, True)
-        LAST_WGRAD_WS[gather_l] = True
-        return wgrad_ws.expert_wgrad_ws(
-            l_rows, r_rows, routes.slot_token, routes.expert_starts, routes.expert_counts,
-            routes.token_slots.shape[0], routes.num_slots, out_EMN, gather_l, cfg.block_m,
-            cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_stages,
-            tma.num_programs(l_rows.device))
+        try:
+            wgrad_ws.expert_wgrad_ws(
+                l_rows, r_rows, routes.slot_token, routes.expert_starts, routes.expert_counts,
+                routes.token_slots.shape[0], routes.num_slots, out_EMN, gather_l, cfg.block_m,
+                cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_stages,
+                tma.num_programs(l_rows.device))
+        except Exception as exc:  # a compile failure on this GPU / Triton: the Triton kernel
+            if not gl.FALLBACK_ON_ERROR:
+                raise
+            _WS_FAILED.add(ws_key)
+            warnings.warn(f"wgrad: the warp-specialized kernel failed ({type(exc).__name__}: "
+                          f"{str(exc).strip()[:200]}); using the Triton kernel", RuntimeWarning)
+        else:
+            LAST_WGRAD_PLAN[gather_l] = (True, True)
+            LAST_WGRAD_STORE[gather_l] = (True, True)
+            LAST_WGRAD_WS[gather_l] = True
+            return out_EMN
     l_desc = r_desc = None
     if padded and cfg.tma and tma.tma_available(l_rows.device):
         # The slot-order operand (there is one: a gathered one has no rows to box) by TMA.
