@@ -96,6 +96,8 @@ def dact_source(cfg, route_block: int):
     from moegraph_kernels.dact_swiglu import _dact_swiglu_kernel as fn
     from moegraph_kernels.dact_swiglu import paired_tile
     paired = paired_tile(F, cfg)
+    if cfg.warp_specialize and paired and route_block == 128:
+        return dact_ws_source(cfg)
     bn = 2 * cfg.block_n if paired else cfg.block_n
     use_tma = cfg.tma and H % cfg.block_k == 0
     consts = dict(ROUTE_BLOCK=route_block, BLOCK_M=cfg.block_m, BLOCK_N=bn,
@@ -113,6 +115,8 @@ def wgrad_source(cfg, down: bool, route_block: int):
     the route block, the slot-order operand by TMA, the tile by a TMA store)."""
     from moegraph_kernels.wgrad import _expert_wgrad_kernel as fn
     padded = route_block % cfg.block_k == 0
+    if cfg.warp_specialize and padded:
+        return wgrad_ws_source(cfg, down)
     l_tma = padded and cfg.tma and not down
     r_tma = padded and cfg.tma and down
     consts = dict(GATHER_L=down, GATHER_R=not down, ACCUMULATE=False, BLOCK_M=cfg.block_m,
@@ -126,11 +130,45 @@ def wgrad_source(cfg, down: bool, route_block: int):
     return _source(fn, consts, types), cfg
 
 
+def dact_ws_source(cfg):
+    """dact_ws.py's warp-specialized kernel (dact_swiglu's choice on a Hopper GPU where cfg
+    asks for warp_specialize), launched with 4 warps a partition."""
+    from moegraph_kernels import dact_ws
+    consts = dict(BLOCK_M=dact_ws.BLOCK_M, BLOCK_K=dact_ws.BLOCK_K, GROUP_M=cfg.group_m,
+                  STAGES=dact_ws.WS_STAGES, CLAMPED=False, CONSUMER_REGS=208, PRODUCER_REGS=96)
+    box = (dact_ws.BLOCK_K, dact_ws.BLOCK_N)
+    types = {"w_desc": _gluon_desc(box), "weights_ptr": "*fp32", "dp_ptr": "*fp32",
+             "alpha": "fp32", "limit": "fp32"}
+    return _source(dact_ws._dact_ws_kernel, consts, types), cfg._replace(num_warps=4)
+
+
+def wgrad_ws_source(cfg, down: bool):
+    """wgrad_ws.py's warp-specialized kernel (expert_wgrad's choice on a Hopper GPU where cfg
+    asks for warp_specialize): the slot-order operand's TMA box, the TMA store."""
+    from moegraph_kernels.wgrad_ws import _wgrad_ws_kernel as fn
+    consts = dict(GATHER_L=down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  GROUP_M=cfg.group_m, STAGES=cfg.num_stages, PRODUCER_WARPS=4,
+                  PRODUCER_REGS=96, num_warps=cfg.num_warps)
+    s_box = (cfg.block_k, cfg.block_n) if down else (cfg.block_k, cfg.block_m)
+    types = {"s_desc": _gluon_desc(s_box), "g_ptr": "*bf16",
+             "dw_desc": _gluon_desc((cfg.block_m, cfg.block_n))}
+    return _source(fn, consts, types), cfg
+
+
+def _gluon_desc(box) -> str:
+    """A Gluon tensor descriptor's signature type: bf16 boxes in the default NVMMA layout."""
+    from triton.experimental.gluon import language as gl
+    layout = gl.NVMMASharedLayout.get_default_for(list(box), gl.bfloat16)
+    return f"tensordesc<bf16[{box[0]}, {box[1]}],{layout!r}>"
+
+
 def _source(fn, consts: dict, types: dict, odd=()):
     """An ASTSource over fn's arguments: pointers bf16 (route lists int32) unless `types`
     says otherwise, other scalars int32; every pointer and int (but `odd`) 16-divisible, as
     the launch's own specialization would find them."""
     from triton.compiler import ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:

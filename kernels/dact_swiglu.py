@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import tma, wgrad_ws
 from . import gemm_launch as gl
-from . import tma
 from .gated_act import gated_backward, gated_forward
 from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, dact_config
@@ -212,6 +212,9 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
     if dp_part_out.shape[1] != dp_tiles(ffn, cfg):
         raise ValueError(f"dp_part_out has {dp_part_out.shape[1]} columns, the tile config "
                          f"needs {dp_tiles(ffn, cfg)}")
+    if _warp_specialized(dout_TH, w_down_EHF, y1_S2F, routes, cfg, ffn, clamp,
+                         topk_weights_N, dy1_out, act_out, dp_part_out):
+        return dy1_out, act_out, dp_part_out
     # The pointer path that replaces a failed variant keeps `paired` (a pointer-path tiling
     # too): dp_part's columns follow it.
     return gl.with_fallback(
@@ -219,6 +222,29 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
         lambda c: _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out,
                                act_out, dp_part_out, c, clamp),
         keep=("paired",))
+
+
+# Whether the latest dact_swiglu call ran the warp-specialized kernel (tests, benchmarks).
+LAST_WS: list[bool] = [False]
+
+
+def _warp_specialized(dout_TH, w_down_EHF, y1_S2F, routes, cfg, ffn, clamp,
+                      *outs) -> bool:
+    """Run dact_ws.py's kernel where cfg asks for it (`warp_specialize` with the paired tile),
+    it fits and the GPU is a Hopper; False (nothing written) otherwise, or where its launch
+    failed (gemm_launch.gluon_launch: then the Triton kernel)."""
+    LAST_WS[0] = False
+    if not (cfg.warp_specialize and paired_tile(ffn, cfg) and cfg.block_m == routes.block_m
+            and wgrad_ws.available(dout_TH.device)):
+        return False
+    from . import dact_ws  # it reuses this module's epilogue
+    if not dact_ws.fits(dout_TH, w_down_EHF, y1_S2F, routes.block_m):
+        return False
+    LAST_WS[0] = gl.gluon_launch(
+        "dact", (cfg, dout_TH.dtype, dout_TH.shape[1], ffn),
+        lambda: dact_ws.dact_ws(dout_TH, w_down_EHF, y1_S2F, *outs, routes=routes, cfg=cfg,
+                                num_programs=tma.num_programs(dout_TH.device), clamp=clamp))
+    return LAST_WS[0]
 
 
 def paired_tile(ffn: int, cfg: GemmConfig) -> bool:

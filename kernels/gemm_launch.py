@@ -152,3 +152,26 @@ def fitted(name: str, cfg: GemmConfig, shape_key: tuple, launch):
 def act_scalars(clamp):
     """(alpha, limit) as the kernels' fp32 scalars; placeholders when not clamped (unused)."""
     return (1.0, 1.0) if clamp is None else (float(clamp[0]), float(clamp[1]))
+
+
+_FAILED_GLUON: set = set()  # (name, key) whose warp-specialized Gluon launch failed here
+
+
+def gluon_launch(name: str, key: tuple, launch) -> bool:
+    """launch() (a warp-specialized Gluon kernel: wgrad_ws.py, dact_ws.py) and True; False
+    where it failed before for this key, or fails now (a compile failure on this GPU or
+    Triton: warned once, remembered, and the caller runs its Triton kernel instead). With
+    FALLBACK_ON_ERROR off the failure is raised."""
+    if (name, key) in _FAILED_GLUON:
+        return False
+    try:
+        launch()
+    except Exception as exc:  # see above
+        if not FALLBACK_ON_ERROR:
+            raise
+        _FAILED_GLUON.add((name, key))
+        warnings.warn(f"{name}: the warp-specialized kernel failed ({type(exc).__name__}: "
+                      f"{str(exc).strip()[:200]}); using the Triton kernel", RuntimeWarning)
+        return False
+    return True
+

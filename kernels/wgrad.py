@@ -39,8 +39,6 @@ reference is autograd through moe/reference.py's bias terms.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import triton
 import triton.language as tl
@@ -71,7 +69,6 @@ LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool]] = {}
 LAST_WGRAD_STORE: dict[bool, tuple[bool, bool]] = {}
 # Whether the latest launch ran the warp-specialized Gluon kernel (wgrad_ws.py), same keys.
 LAST_WGRAD_WS: dict[bool, bool] = {}
-_WS_FAILED: set = set()  # (cfg, gather_l, dtype, M, N) whose Gluon launch failed here
 
 # The long-loop tiles' two variants (`wgrad_config`): `GemmConfig.persistent`, one program an
 # SM over the tiles (each tile's K loop as before), and `GemmConfig.store_tma`, the tile
@@ -261,28 +258,20 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     num_experts, m, n = out_EMN.shape
     cfg = cfg or wgrad_config(n, l_rows.device)
     padded = PADDED_K and routes.block_m % cfg.block_k == 0
-    ws_key = (cfg, gather_l, l_rows.dtype, m, n)
-    if (cfg.warp_specialize and padded and ws_key not in _WS_FAILED
-            and wgrad_ws.available(l_rows.device)
+    if (cfg.warp_specialize and padded and wgrad_ws.available(l_rows.device)
             and wgrad_ws.fits(l_rows, r_rows, out_EMN, gather_l, gather_r, cfg.block_m,
-                              cfg.block_n, cfg.block_k, accumulate)):
-        try:
-            wgrad_ws.expert_wgrad_ws(
-                l_rows, r_rows, routes.slot_token, routes.expert_starts, routes.expert_counts,
-                routes.token_slots.shape[0], routes.num_slots, out_EMN, gather_l, cfg.block_m,
-                cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_stages,
-                tma.num_programs(l_rows.device))
-        except Exception as exc:  # a compile failure on this GPU / Triton: the Triton kernel
-            if not gl.FALLBACK_ON_ERROR:
-                raise
-            _WS_FAILED.add(ws_key)
-            warnings.warn(f"wgrad: the warp-specialized kernel failed ({type(exc).__name__}: "
-                          f"{str(exc).strip()[:200]}); using the Triton kernel", RuntimeWarning)
-        else:
-            LAST_WGRAD_PLAN[gather_l] = (True, True)
-            LAST_WGRAD_STORE[gather_l] = (True, True)
-            LAST_WGRAD_WS[gather_l] = True
-            return out_EMN
+                              cfg.block_n, cfg.block_k, accumulate)
+            and gl.gluon_launch("wgrad", (cfg, gather_l, l_rows.dtype, m, n),
+                                lambda: wgrad_ws.expert_wgrad_ws(
+                                    l_rows, r_rows, routes.slot_token, routes.expert_starts,
+                                    routes.expert_counts, routes.token_slots.shape[0],
+                                    routes.num_slots, out_EMN, gather_l, cfg.block_m,
+                                    cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_stages,
+                                    tma.num_programs(l_rows.device)))):
+        LAST_WGRAD_PLAN[gather_l] = (True, True)
+        LAST_WGRAD_STORE[gather_l] = (True, True)
+        LAST_WGRAD_WS[gather_l] = True
+        return out_EMN
     l_desc = r_desc = None
     if padded and cfg.tma and tma.tma_available(l_rows.device):
         # The slot-order operand (there is one: a gathered one has no rows to box) by TMA.

@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import torch
 
+from .fp_fusion import FUSED
+from .slot_schedule import grouped_pid
+
 try:  # Gluon: Triton >= 3.5 (the names used here are in 3.6 and 3.9)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -56,16 +59,10 @@ if GLUON:
     @gluon.jit
     def _tile_of(tile, tiles_m, tiles_n, GROUP_M: gl.constexpr):
         """Tile -> (expert, pid_m, pid_n): expert-major, GROUP_M row tiles at a time within
-        an expert (slot_schedule.grouped_pid's order)."""
+        an expert (wgrad.py's order)."""
         per_expert = tiles_m * tiles_n
-        expert = tile // per_expert
-        local = tile % per_expert
-        width = GROUP_M * tiles_n
-        first_m = (local // width) * GROUP_M
-        size_m = gl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (local % width) % size_m
-        pid_n = (local % width) // size_m
-        return expert, pid_m, pid_n
+        pid_m, pid_n = grouped_pid(tile % per_expert, tiles_m, tiles_n, GROUP_M)
+        return tile // per_expert, pid_m, pid_n
 
     @gluon.jit
     def _producer(s_desc, g_ptr, stride_g, slot_token_ptr, expert_start_ptr, expert_count_ptr,
@@ -254,5 +251,5 @@ def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, nu
         num_tokens, num_slots, num_tiles, g_rows.stride(0),
         GATHER_L=gather_l, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         STAGES=stages, PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs,
-        num_warps=8)
+        num_warps=8, enable_fp_fusion=FUSED)
     return out_EMN

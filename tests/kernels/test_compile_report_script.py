@@ -48,7 +48,9 @@ def test_every_product_expert_kernel_compiles_for_hopper():
     assert "4x2x128x64 bf16" in by["fc1", 8192]["buffers"]  # the [2, BN, BK] gate/up box
     assert by["dact", 8192]["variant"] == "pair" and by["dact", 8192]["tile"][:3] == [128, 128, 64]
     assert "3x64x256 bf16" in by["dact", 8192]["buffers"]  # the 2 BN tile
-    assert by["wgrad_gate_up", 8192]["variant"] == "tma+persistent+store"
+    # dW's long loops: the warp-specialized Gluon kernel (its own buffers: the TMA store tile)
+    assert by["wgrad_gate_up", 8192]["variant"] == "tma+persistent+ws+store"
+    assert "256x128 bf16" in by["wgrad_gate_up", 8192]["buffers"]
     assert by["dx", 8192]["variant"] == "tma+persistent"
     # The product's launch keywords name the contraction (kernels/fp_fusion.py): Triton 3.9
     # warns of an unset one, and these compiles go through those keywords.

@@ -24,6 +24,7 @@ from routing_cases import moe_inputs
 
 import moegraph_kernels.gemm_config as gc
 import moegraph_kernels.gemm_launch as gl
+import moegraph_kernels.wgrad as wg
 from moegraph_cli.moe.experts import (build_routes, permute_free_moe_with_drops,
                                       poisoned_scratch, tile_configs)
 from moegraph_cli.moe.reference import reference_moe
@@ -138,9 +139,11 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
         cfg.with_variant("r128+r96")
     # the product's choice (moe/experts.tile_configs), measured on the H200
     big, small = ("tma+persistent+pair", "tma+pair") if gc.FC1_PAIRED else ("tma", "tma")
-    # dW: the slot-order side by TMA; the long loops persistent with the tile stored by TMA
+    # dW: the slot-order side by TMA; the long loops persistent with the tile stored by TMA,
+    # warp-specialized where the GPU allows (wgrad.WARP_SPECIALIZED)
+    long_dw = "tma+persistent+ws+store" if wg.WARP_SPECIALIZED else "tma+persistent+store"
     for routes, variants, dw in ((8192 * 8, (big, "tma+persistent", "pair", "tma+persistent"),
-                                  "tma+persistent+store"),
+                                  long_dw),
                                  (1024 * 8, (small, "base", "base", "tma+persistent"), "tma")):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
         assert tuple(c.variant for c in chosen[1:5]) == variants
