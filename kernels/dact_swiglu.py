@@ -58,6 +58,17 @@ def _dact_epilogue(
     g = tl.load(y1_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
     p = tl.load(weights_ptr + route, mask=route_ok, other=0.0).to(tl.float32)
+    dp_part = dact_act_store(da, g, u, p, rows, offs_n, n_ok, dy1_ptr, act_ptr, alpha, limit,
+                             ffn, stride_dy1, stride_act, CLAMPED)
+    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_dp, dp_part)
+
+
+@triton.jit
+def dact_act_store(da, g, u, p, rows, offs_n, n_ok, dy1_ptr, act_ptr, alpha, limit, ffn,
+                   stride_dy1, stride_act, CLAMPED: tl.constexpr):
+    """The activation backward of a [R, C] tile (fp32 da, g, u; p [R] fp32; rows [R, 1] int64
+    slots; columns offs_n, stored where n_ok): dY1 and the recomputed A stored; returns
+    dp_part, the [R] sum over these columns."""
     dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
     act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
     out_mask = n_ok[None, :]
@@ -66,7 +77,7 @@ def _dact_epilogue(
     tl.store(dy1_ptrs + ffn, du.to(dy1_ptr.dtype.element_ty), mask=out_mask)
     tl.store(act_ptr + rows * stride_act + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_dp, dp_part)
+    return dp_part
 
 
 @triton.jit

@@ -41,7 +41,7 @@ if GLUON:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .dact_swiglu import _dact_epilogue
+    from .dact_swiglu import dact_act_store
     from .wgrad_ws import _cp_async, _nvmma, _tma_load
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
@@ -106,30 +106,39 @@ if GLUON:
                     it += 1
 
     @gluon.jit
-    def _epilogue(c_buf, pid_m, pid_n, y1_ptr, weights_ptr, slot_token_ptr, slot_route_ptr,
-                  dy1_ptr, act_ptr, dp_ptr, alpha, limit, num_tokens, num_routes, ffn,
-                  stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED: gl.constexpr):
-        """The activation backward of the tile in c_buf (dA rounded to bf16), [32, 64] at a
-        time in a row-contiguous layout, by dact_swiglu's own epilogue: dY1, A and dp_part's
-        column of each 64-column group."""
+    def _epilogue(c_buf, pid_m, pid_n, row_ok, p, y1_ptr, dy1_ptr, act_ptr, dp_ptr, alpha,
+                  limit, ffn, stride_y1, stride_dy1, stride_act, stride_dp,
+                  layout: gl.constexpr, CLAMPED: gl.constexpr):
+        """The activation backward of the tile in c_buf (dA rounded to bf16), all its rows and
+        C columns at a time (row_ok and p: the rows' [BM] values, loaded before the K loop),
+        each slice's Y1 loaded while the one before is computed: dY1 and A stored by
+        dact_swiglu's own math, dp_part's column of each 64-column group summed over its
+        slices."""
         BM: gl.constexpr = c_buf.shape[0]
         BN: gl.constexpr = c_buf.shape[1]
-        R: gl.constexpr = 32
-        C: gl.constexpr = 64
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        offs_r = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+        C: gl.constexpr = 16
+        G: gl.constexpr = 64  # dp_part's column width
         offs_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
-        for h in gl.static_range(BN // C):
-            cols = pid_n * BN + h * C + offs_c
-            for r in gl.static_range(BM // R):
-                rows = pid_m * BM + r * R + offs_r
-                row_ok = gl.load(slot_token_ptr + rows) < num_tokens
-                route = gl.load(slot_route_ptr + rows)
-                da = c_buf.slice(r * R, R, dim=0).slice(h * C, C, dim=1).load(layout)
-                _dact_epilogue(da, rows, cols, pid_n * (BN // C) + h, row_ok, route,
-                               route < num_routes, y1_ptr, weights_ptr, dy1_ptr, act_ptr,
-                               dp_ptr, alpha, limit, ffn, stride_y1, stride_dy1, stride_act,
-                               stride_dp, CLAMPED, False)
+        rows = (pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))).to(gl.int64)
+        y1_rows = y1_ptr + rows[:, None] * stride_y1
+        mask = row_ok[:, None] & (offs_c < C)[None, :]
+        col0 = pid_n * BN
+        g_next = gl.load(y1_rows + (col0 + offs_c)[None, :], mask=mask, other=0.0)
+        u_next = gl.load(y1_rows + (col0 + ffn + offs_c)[None, :], mask=mask, other=0.0)
+        dp = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
+        for j in gl.static_range(BN // C):
+            cols = col0 + j * C + offs_c
+            g = g_next.to(gl.float32)
+            u = u_next.to(gl.float32)
+            if j + 1 < BN // C:
+                g_next = gl.load(y1_rows + (cols + C)[None, :], mask=mask, other=0.0)
+                u_next = gl.load(y1_rows + (cols + C + ffn)[None, :], mask=mask, other=0.0)
+            da = c_buf.slice(j * C, C, dim=1).load(layout).to(gl.float32)
+            dp += dact_act_store(da, g, u, p, rows[:, None], cols, cols < ffn, dy1_ptr,
+                                 act_ptr, alpha, limit, ffn, stride_dy1, stride_act, CLAMPED)
+            if (j + 1) % (G // C) == 0:
+                gl.store(dp_ptr + rows * stride_dp + (col0 + j * C) // G, dp)
+                dp = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, ready_w, ready_a, empty, turn, c_buf, y1_ptr, weights_ptr,
@@ -144,6 +153,8 @@ if GLUON:
         BN: gl.constexpr = b_bufs.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN, 16])
+        # the epilogue's [BM, 16] slices: 8 contiguous columns (16 bytes) a thread
+        epi: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])
         k_steps = gl.cdiv(hidden, BK)
         live = 0
         turns = 0
@@ -155,6 +166,12 @@ if GLUON:
                     # My turn at the tensor cores: after the other consumer's K loop.
                     mbarrier.wait(turn.index(ME), (turns & 1) ^ (1 - ME))
                     turns += 1
+                    # The rows' token, route and probability, read under the K loop.
+                    rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, epi))
+                    row_ok = gl.load(slot_token_ptr + rows) < num_tokens
+                    route = gl.load(slot_route_ptr + rows)
+                    p = gl.load(weights_ptr + route, mask=route < num_routes,
+                                other=0.0).to(gl.float32)
                     acc = gl.zeros((BM, BN), gl.float32, acc_layout)
                     it = live * k_steps
                     prev = 0
@@ -174,10 +191,9 @@ if GLUON:
                     mbarrier.arrive(empty.index(prev))
                     mbarrier.arrive(turn.index(1 - ME))  # the other consumer's K loop may run
                     c_buf.store(acc.to(c_buf.dtype))
-                    _epilogue(c_buf, pid_m, pid_n, y1_ptr, weights_ptr, slot_token_ptr,
-                              slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
-                              num_tokens, num_routes, ffn, stride_y1, stride_dy1, stride_act,
-                              stride_dp, CLAMPED)
+                    _epilogue(c_buf, pid_m, pid_n, row_ok, p, y1_ptr, dy1_ptr, act_ptr,
+                              dp_ptr, alpha, limit, ffn, stride_y1, stride_dy1, stride_act,
+                              stride_dp, epi, CLAMPED)
                 live += 1
 
     @gluon.jit
