@@ -96,8 +96,6 @@ def dact_source(cfg, route_block: int):
     from moegraph_kernels.dact_swiglu import _dact_swiglu_kernel as fn
     from moegraph_kernels.dact_swiglu import paired_tile
     paired = paired_tile(F, cfg)
-    if cfg.warp_specialize and paired and route_block == 128:
-        return dact_ws_source(cfg)
     bn = 2 * cfg.block_n if paired else cfg.block_n
     use_tma = cfg.tma and H % cfg.block_k == 0
     consts = dict(ROUTE_BLOCK=route_block, BLOCK_M=cfg.block_m, BLOCK_N=bn,
@@ -128,18 +126,6 @@ def wgrad_source(cfg, down: bool, route_block: int):
              "dw_desc": (f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>" if cfg.store_tma
                          else "*bf16")}
     return _source(fn, consts, types), cfg
-
-
-def dact_ws_source(cfg):
-    """dact_ws.py's warp-specialized kernel (dact_swiglu's choice on a Hopper GPU where cfg
-    asks for warp_specialize), launched with 4 warps a partition."""
-    from moegraph_kernels import dact_ws
-    consts = dict(BLOCK_M=dact_ws.BLOCK_M, BLOCK_K=dact_ws.BLOCK_K, GROUP_M=cfg.group_m,
-                  STAGES=dact_ws.WS_STAGES, CLAMPED=False, CONSUMER_REGS=208, PRODUCER_REGS=96)
-    box = (dact_ws.BLOCK_K, dact_ws.BLOCK_N)
-    types = {"w_desc": _gluon_desc(box), "weights_ptr": "*fp32", "dp_ptr": "*fp32",
-             "alpha": "fp32", "limit": "fp32"}
-    return _source(dact_ws._dact_ws_kernel, consts, types), cfg._replace(num_warps=4)
 
 
 def wgrad_ws_source(cfg, down: bool):

@@ -74,8 +74,6 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         out.append(("grouped_mm", d._replace(tma=False), False))
         return out
     if kernel == "dact":
-        # The warp-specialized ping-pong Gluon kernel (kernels/dact_ws.py) where it applies.
-        out.append(("ws", d._replace(warp_specialize=True), True))
         # Persistent dA spilled before its epilogue masked rows by the route (3-20x slower,
         # kernel_sweep_8192.json); the 4-warp tiles fit two CTAs an SM.
         warps = 8 if block >= 128 else 4

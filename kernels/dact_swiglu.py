@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import tma, wgrad_ws
 from . import gemm_launch as gl
+from . import tma
 from .gated_act import gated_backward, gated_forward
 from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, dact_config
@@ -58,17 +58,6 @@ def _dact_epilogue(
     g = tl.load(y1_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
     p = tl.load(weights_ptr + route, mask=route_ok, other=0.0).to(tl.float32)
-    dp_part = dact_act_store(da, g, u, p, rows, offs_n, n_ok, dy1_ptr, act_ptr, alpha, limit,
-                             ffn, stride_dy1, stride_act, CLAMPED)
-    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_dp, dp_part)
-
-
-@triton.jit
-def dact_act_store(da, g, u, p, rows, offs_n, n_ok, dy1_ptr, act_ptr, alpha, limit, ffn,
-                   stride_dy1, stride_act, CLAMPED: tl.constexpr):
-    """The activation backward of a [R, C] tile (fp32 da, g, u; p [R] fp32; rows [R, 1] int64
-    slots; columns offs_n, stored where n_ok): dY1 and the recomputed A stored; returns
-    dp_part, the [R] sum over these columns."""
     dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
     act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
     out_mask = n_ok[None, :]
@@ -77,7 +66,7 @@ def dact_act_store(da, g, u, p, rows, offs_n, n_ok, dy1_ptr, act_ptr, alpha, lim
     tl.store(dy1_ptrs + ffn, du.to(dy1_ptr.dtype.element_ty), mask=out_mask)
     tl.store(act_ptr + rows * stride_act + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=out_mask)
-    return dp_part
+    tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_dp, dp_part)
 
 
 @triton.jit
@@ -223,9 +212,6 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
     if dp_part_out.shape[1] != dp_tiles(ffn, cfg):
         raise ValueError(f"dp_part_out has {dp_part_out.shape[1]} columns, the tile config "
                          f"needs {dp_tiles(ffn, cfg)}")
-    if _warp_specialized(dout_TH, w_down_EHF, y1_S2F, routes, cfg, ffn, clamp,
-                         topk_weights_N, dy1_out, act_out, dp_part_out):
-        return dy1_out, act_out, dp_part_out
     # The pointer path that replaces a failed variant keeps `paired` (a pointer-path tiling
     # too): dp_part's columns follow it.
     return gl.with_fallback(
@@ -233,29 +219,6 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
         lambda c: _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out,
                                act_out, dp_part_out, c, clamp),
         keep=("paired",))
-
-
-# Whether the latest dact_swiglu call ran the warp-specialized kernel (tests, benchmarks).
-LAST_WS: list[bool] = [False]
-
-
-def _warp_specialized(dout_TH, w_down_EHF, y1_S2F, routes, cfg, ffn, clamp,
-                      *outs) -> bool:
-    """Run dact_ws.py's kernel where cfg asks for it (`warp_specialize` with the paired tile),
-    it fits and the GPU is a Hopper; False (nothing written) otherwise, or where its launch
-    failed (gemm_launch.gluon_launch: then the Triton kernel)."""
-    LAST_WS[0] = False
-    if not (cfg.warp_specialize and paired_tile(ffn, cfg) and cfg.block_m == routes.block_m
-            and wgrad_ws.available(dout_TH.device)):
-        return False
-    from . import dact_ws  # it reuses this module's epilogue
-    if not dact_ws.fits(dout_TH, w_down_EHF, y1_S2F, routes.block_m):
-        return False
-    LAST_WS[0] = gl.gluon_launch(
-        "dact", (cfg, dout_TH.dtype, dout_TH.shape[1], ffn),
-        lambda: dact_ws.dact_ws(dout_TH, w_down_EHF, y1_S2F, *outs, routes=routes, cfg=cfg,
-                                num_programs=tma.num_programs(dout_TH.device), clamp=clamp))
-    return LAST_WS[0]
 
 
 def paired_tile(ffn: int, cfg: GemmConfig) -> bool:

@@ -80,10 +80,6 @@ FC1_PAIRED = flag_from_env("MOEGRAPH_FC1_PAIRED", True)
 # stages: the product's choice in moe/experts.tile_configs unless MOEGRAPH_DACT_PAIRED=0.
 DACT_PAIRED = flag_from_env("MOEGRAPH_DACT_PAIRED", True)
 
-# The paired dA as the warp-specialized ping-pong Gluon kernel (kernels/dact_ws.py) on a
-# Hopper GPU: MOEGRAPH_DACT_WS=1.
-DACT_WS = flag_from_env("MOEGRAPH_DACT_WS", False)
-
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
 # compiled but its first launch failed with "operation not supported on global/shared address
 # space" and lost the CUDA context (not recoverable, so no fallback can catch it). A config

@@ -158,7 +158,7 @@ _FAILED_GLUON: set = set()  # (name, key) whose warp-specialized Gluon launch fa
 
 
 def gluon_launch(name: str, key: tuple, launch) -> bool:
-    """launch() (a warp-specialized Gluon kernel: wgrad_ws.py, dact_ws.py) and True; False
+    """launch() (a warp-specialized Gluon kernel: wgrad_ws.py) and True; False
     where it failed before for this key, or fails now (a compile failure on this GPU or
     Triton: warned once, remembered, and the caller runs its Triton kernel instead). With
     FALLBACK_ON_ERROR off the failure is raised."""

@@ -131,7 +131,6 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     dact = cfg.dact
     if gemm_config.DACT_PAIRED and block >= 128:
         dact = dact._replace(num_stages=3).with_variant("pair")
-        dact = dact._replace(warp_specialize=gemm_config.DACT_WS)
     return cfg._replace(fc1=cfg.fc1.with_variant(fc1), fc2=fc2, dx=dx, dact=dact)
 
 
