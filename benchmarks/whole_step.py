@@ -47,7 +47,7 @@ from common import (cli_json, default_out, environment, error_text, kernel_ms, t
 PROFILES = ["tiny-qwen3-moe", "qwen3-30b-a3b-4layer"]
 PARTS = [  # (part, substrings of the kernel name), first match wins
     ("optimizer", ("adamw", "multi_tensor_apply", "fused_adam")),
-    ("experts", ("_fc1_swiglu", "_slot_gemm", "_dact_swiglu", "_expert_wgrad",
+    ("experts", ("_fc1_swiglu", "_slot_gemm", "_dact_swiglu", "_expert_wgrad", "_wgrad_ws",
                  "_gather_combine", "radix_sort", "searchsorted")),
     ("loss", ("cross_entropy", "_ce_")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
