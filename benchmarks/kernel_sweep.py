@@ -64,8 +64,12 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         # either, and both.
         plain = d._replace(persistent=False, store_tma=False)
         out += [("plain", plain, True)] if plain != d else []
-        # The warp-specialized Gluon kernel (kernels/wgrad_ws.py) at the default's tile.
-        out += [("ws", d._replace(persistent=True, warp_specialize=True), True)]
+        # The warp-specialized Gluon kernel (kernels/wgrad_ws.py) at the default's tile, and
+        # without it; then at 2 stages and tile groups of 8.
+        ws = d._replace(persistent=True, warp_specialize=True)
+        out += [("ws", ws, True), ("nows", ws._replace(warp_specialize=False), True),
+                ("ws_s2", ws._replace(num_stages=2), True),
+                ("ws_g8", ws._replace(group_m=8), True)]
         out += [("persistent", plain._replace(persistent=True), True),
                 ("tmastore", plain._replace(store_tma=True), True),
                 ("persistent+tmastore", plain._replace(persistent=True, store_tma=True), True)]
