@@ -62,14 +62,14 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
                     (f"{'x'.join(map(str, t[:6]))}+tma{cap}", t._replace(tma=True), True)]
         # The default tile neither persistent (one program an SM) nor written by a TMA store,
         # either, and both.
-        plain = d._replace(persistent=False, store_tma=False)
+        plain = d._replace(persistent=False, store_tma=False, warp_specialize=False)
         out += [("plain", plain, True)] if plain != d else []
-        # The warp-specialized Gluon kernel (kernels/wgrad_ws.py) at the default's tile, and
-        # without it; then at 2 stages and tile groups of 8.
+        # The warp-specialized Gluon kernel (kernels/wgrad_ws.py) at the default's tile, at 2
+        # stages and at tile groups of 8 (each once: the default may be one of them).
         ws = d._replace(persistent=True, warp_specialize=True)
-        out += [("ws", ws, True), ("nows", ws._replace(warp_specialize=False), True),
-                ("ws_s2", ws._replace(num_stages=2), True),
-                ("ws_g8", ws._replace(group_m=8), True)]
+        for name, c in (("ws", ws), ("ws_s2", ws._replace(num_stages=2)),
+                        ("ws_g8", ws._replace(group_m=8))):
+            out += [(name, c, True)] if c not in [o[1] for o in out] else []
         out += [("persistent", plain._replace(persistent=True), True),
                 ("tmastore", plain._replace(store_tma=True), True),
                 ("persistent+tmastore", plain._replace(persistent=True, store_tma=True), True)]
