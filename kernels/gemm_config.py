@@ -30,7 +30,8 @@ tma.py and gemm_launch.py; the default is the pointer path with one program per 
   On Hopper (Triton 3.6) the pass splits a loop whose loads are all TMA into a producer warp
   group and two consumer warp groups of 64 rows (num_warps=4 -> 12 warps), and only when the
   loop is not flattened, so flatten is dropped there. The gathered kernels ignore it: the pass
-  asserts on their pointer loads.
+  asserts on their pointer loads. wgrad reads it as its own switch: the warp-specialized Gluon
+  kernel (wgrad_ws.py), whose producer gathers rows by cp.async, on a Hopper GPU.
 - `split_tail` (where the tile is the whole route block): two launches, the second running
   each expert's last block, when it holds at most block_m / 2 real rows, as a half-height tile
   (`slot_schedule.py`; about 5.6% of the FC1 / FC2 work at 512 uniform routes per expert).
@@ -95,7 +96,8 @@ class GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     # Variants of fc1_swiglu / slot_gemm / dact_swiglu (see the module docstring); wgrad
-    # ignores them. Defaults keep the pointer path, one program per tile.
+    # reads tma, persistent, warp_specialize and store_tma (wgrad.py). Defaults keep the
+    # pointer path, one program per tile.
     tma: bool = False
     persistent: bool = False
     flatten: bool = True  # persistent only

@@ -26,7 +26,11 @@ Layout contract (S slots, E experts, see route_align.py):
 - Variants that change no value (each tile sums the same terms in the same order):
   `GemmConfig.persistent`, one program an SM walking the tiles in that order (each tile's K
   loop pipelined as before); `GemmConfig.store_tma`, the tile written by a TMA bulk store
-  (where M is a multiple of BLOCK_M, dW is 2-byte and the launch does not accumulate).
+  (where M is a multiple of BLOCK_M, dW is 2-byte and the launch does not accumulate);
+  `GemmConfig.warp_specialize`, on a Hopper GPU, the warp-specialized Gluon kernel of
+  wgrad_ws.py (where `wgrad_ws.fits`: one operand gathered, 2-byte operands, whole tiles, no
+  accumulation; the padded loop; it always stores by TMA), whose loads run ahead across
+  tiles.
 
 Bias gradients (`expert_bias_grad`), the same ownership and the same slot range:
 db[e, n] = sum over the real slots s of expert e of scale(s) * R[row_R(s), n], with scale 1
