@@ -158,10 +158,10 @@ _FAILED_GLUON: set = set()  # (name, key) whose warp-specialized Gluon launch fa
 
 
 def gluon_launch(name: str, key: tuple, launch) -> bool:
-    """launch() (a warp-specialized Gluon kernel: wgrad_ws.py) and True; False
-    where it failed before for this key, or fails now (a compile failure on this GPU or
-    Triton: warned once, remembered, and the caller runs its Triton kernel instead). With
-    FALLBACK_ON_ERROR off the failure is raised."""
+    """launch() of a warp-specialized Gluon kernel (wgrad_ws.py), and True; False where it
+    failed before for this key, or fails now (a compile failure on this GPU or Triton: warned
+    once, remembered, and the caller runs its Triton kernel instead). With FALLBACK_ON_ERROR
+    off the failure is raised."""
     if (name, key) in _FAILED_GLUON:
         return False
     try:
@@ -174,4 +174,3 @@ def gluon_launch(name: str, key: tuple, launch) -> bool:
                       f"{str(exc).strip()[:200]}); using the Triton kernel", RuntimeWarning)
         return False
     return True
-

@@ -84,11 +84,11 @@ STORE_TMA = flag_from_env("MOEGRAPH_WGRAD_TMA_STORE", None)
 
 # The long-loop tiles ask for the warp-specialized Gluon kernel (`GemmConfig.warp_specialize`,
 # kernels/wgrad_ws.py), taken on a Hopper GPU where the launch fits and the Triton kernel
-# otherwise; the same sums. H100 (benchmarks/kernel_sweep.py, Qwen3 shape,
-# results/kernel_sweep_ws_h100.json), ms against the persistent TMA tile: dW_gate_up 0.981
-# -> 0.812 (T = 8192 skewed), 1.710 -> 1.431 (16384 uniform), 3.057 -> 2.678 (32768
-# uniform); dW_down 0.777 -> 0.700, 1.408 -> 1.312 (16384, 32768 uniform).
-# MOEGRAPH_WGRAD_WS=0 keeps the Triton kernel.
+# otherwise; the same sums. H200 (benchmarks/kernel_sweep.py, Qwen3 shape, uniform routing,
+# results/kernel_sweep_wgrad_ws_variants_h200.json), ms against the persistent TMA tile:
+# dW_gate_up 1.063 -> 0.858 (T = 8192), 1.877 -> 1.517 (16384), 3.401 -> 2.838 (32768);
+# dW_down 0.495 -> 0.413, 0.840 -> 0.777, 1.535 -> 1.442; the H100 likewise
+# (kernel_sweep_ws_h100.json). MOEGRAPH_WGRAD_WS=0 keeps the Triton kernel.
 WARP_SPECIALIZED = flag_from_env("MOEGRAPH_WGRAD_WS", True)
 
 
@@ -262,19 +262,9 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     num_experts, m, n = out_EMN.shape
     cfg = cfg or wgrad_config(n, l_rows.device)
     padded = PADDED_K and routes.block_m % cfg.block_k == 0
-    if (cfg.warp_specialize and padded and wgrad_ws.available(l_rows.device)
-            and wgrad_ws.fits(l_rows, r_rows, out_EMN, gather_l, gather_r, cfg.block_m,
-                              cfg.block_n, cfg.block_k, accumulate)
-            and gl.gluon_launch("wgrad", (cfg, gather_l, l_rows.dtype, m, n),
-                                lambda: wgrad_ws.expert_wgrad_ws(
-                                    l_rows, r_rows, routes.slot_token, routes.expert_starts,
-                                    routes.expert_counts, routes.token_slots.shape[0],
-                                    routes.num_slots, out_EMN, gather_l, cfg.block_m,
-                                    cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_stages,
-                                    tma.num_programs(l_rows.device)))):
-        LAST_WGRAD_PLAN[gather_l] = (True, True)
-        LAST_WGRAD_STORE[gather_l] = (True, True)
-        LAST_WGRAD_WS[gather_l] = True
+    if (cfg.warp_specialize and padded
+            and _warp_specialized(l_rows, r_rows, routes, out_EMN, gather_l, gather_r, cfg,
+                                  accumulate)):
         return out_EMN
     l_desc = r_desc = None
     if padded and cfg.tma and tma.tma_available(l_rows.device):
@@ -308,6 +298,30 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     else:  # fp32 operands need twice a stage's shared memory: fewer stages, same sums
         gl.fitted("wgrad", cfg, (l_rows.dtype, m, n, gather_l, dw_desc is not None), launch)
     return out_EMN
+
+
+def _warp_specialized(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool,
+                      gather_r: bool, cfg: GemmConfig, accumulate: bool) -> bool:
+    """expert_wgrad through wgrad_ws.py's kernel where the GPU is a Hopper and the launch fits
+    (True); False (nothing written) otherwise, or where its launch fails
+    (gemm_launch.gluon_launch: then the Triton kernel)."""
+    _, m, n = out_EMN.shape
+    if not (wgrad_ws.available(l_rows.device)
+            and wgrad_ws.fits(l_rows, r_rows, out_EMN, gather_l, gather_r, cfg.block_m,
+                              cfg.block_n, cfg.block_k, accumulate)):
+        return False
+    ran = gl.gluon_launch("wgrad", (cfg, gather_l, l_rows.dtype, m, n),
+                          lambda: wgrad_ws.expert_wgrad_ws(
+                              l_rows, r_rows, routes.slot_token, routes.expert_starts,
+                              routes.expert_counts, routes.token_slots.shape[0],
+                              routes.num_slots, out_EMN, gather_l, cfg.block_m, cfg.block_n,
+                              cfg.block_k, cfg.group_m, cfg.num_stages,
+                              tma.num_programs(l_rows.device)))
+    if ran:
+        LAST_WGRAD_PLAN[gather_l] = (True, True)
+        LAST_WGRAD_STORE[gather_l] = (True, True)
+        LAST_WGRAD_WS[gather_l] = True
+    return ran
 
 
 def _out_desc(out_EMN, cfg: GemmConfig, accumulate: bool):
