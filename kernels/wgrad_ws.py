@@ -19,7 +19,7 @@ Here one program an SM runs three partitions over the same (tile, K step) sequen
   the tile by a TMA store and moves on while the producer has already filled the next tile's
   stages.
 Each tile sums its K steps in the same order, with the same wgmma shapes, as the Triton
-kernel: the values are the same (tests/kernels/test_wgrad_ws_cuda.py compares bitwise).
+kernel: the values are the same (tests/kernels/test_wgrad_ws.py compares bitwise).
 
 Gluon runs on NVIDIA GPUs only (no interpreter): `available(device)` says whether this path
 can run; the launcher (wgrad.expert_wgrad) falls back to the Triton kernel otherwise.

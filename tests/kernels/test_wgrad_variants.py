@@ -183,7 +183,7 @@ def test_cuda_persistent_and_tma_store_variants_are_bitwise_equal(case, monkeypa
     problem = _problem(case, None, "cuda", torch.bfloat16, block)
     for tile in (wg.wgrad_config(F, torch.device("cuda"), T * k / E),
                  wg.wgrad_config(H, torch.device("cuda"), T * k / E, slot_order_l=True)):
-        # The Triton kernel's variants (the warp-specialized one: test_wgrad_ws_cuda.py)
+        # The Triton kernel's variants (the warp-specialized one: test_wgrad_ws.py)
         plain = tile._replace(persistent=False, store_tma=False, warp_specialize=False)
         want = _both_dw(problem, plain, True, monkeypatch)
         for persistent, store in ((True, False), (False, True), (True, True)):

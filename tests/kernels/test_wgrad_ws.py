@@ -2,16 +2,18 @@
 
 Same tile, same K order, same wgmma shapes: bitwise equal, every element written (outputs
 start full of NaN), empty experts exact zeros; where the kernel does not take a launch
-(`wgrad_ws.fits`), the Triton kernel runs instead. On the CPU only the routing of that choice
-is checked: Gluon has no interpreter.
+(`wgrad_ws.fits`), the Triton kernel runs instead. On the CPU only that choice and the
+fallback of a failed launch are checked, with the GPU checks stubbed: Gluon has no
+interpreter. (tests/kernels/test_compile_report_script.py lowers the kernel for sm_90a.)
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_wgrad_variants import _both_dw, _problem
+from test_wgrad_variants import CASES, CPU_CFG, _both_dw, _problem
 
+import moegraph_kernels.gemm_launch as gl
 import moegraph_kernels.wgrad as wg
 import moegraph_kernels.wgrad_ws as ws
 from moegraph_kernels.gemm_config import route_block_m
@@ -97,3 +99,57 @@ def test_the_warp_specialized_dw_takes_only_the_launches_it_fits():
                        False)  # M not a multiple of BLOCK_M
     assert not ws.fits(l.float(), r.float(), out.float(), True, False, 128, 256, 64, False)
     assert not ws.available(torch.device("cpu"))
+
+
+def test_a_failed_gluon_launch_falls_back_once_and_is_remembered(monkeypatch):
+    """gemm_launch.gluon_launch: a launch that raises is warned of once, not tried again for
+    that key, and the caller told to run its Triton kernel; with FALLBACK_ON_ERROR off it
+    raises."""
+    monkeypatch.setattr(gl, "_FAILED_GLUON", set())
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("no such instruction")
+
+    with pytest.warns(RuntimeWarning, match="warp-specialized kernel failed"):
+        assert not gl.gluon_launch("wgrad", ("a",), broken)
+    assert not gl.gluon_launch("wgrad", ("a",), broken)
+    assert calls == [1]
+    assert gl.gluon_launch("wgrad", ("b",), lambda: None)
+    monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
+    with pytest.raises(RuntimeError, match="no such instruction"):
+        gl.gluon_launch("wgrad", ("c",), broken)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_expert_wgrad_takes_the_warp_specialized_kernel_where_asked(fails, monkeypatch):
+    """On the CPU, with the GPU checks stubbed: a config asking for warp_specialize calls the
+    Gluon launcher (here a stand-in that writes the Triton kernel's result, or raises), and a
+    failure leaves the Triton kernel's values; a config that does not ask never calls it."""
+    monkeypatch.setattr(gl, "_FAILED_GLUON", set())
+    problem = _problem(CASES[1], None, "cpu", torch.float32, 16)
+    want = _both_dw(problem, CPU_CFG, True, monkeypatch)
+    calls = []
+
+    def stand_in(l_rows, r_rows, slot_token, starts, counts, num_tokens, num_slots, out,
+                 gather_l, *tile):
+        calls.append(gather_l)
+        if fails:
+            raise RuntimeError("compile failed")
+        out.copy_(want[0 if gather_l else 1][0])
+
+    monkeypatch.setattr(ws, "available", lambda device: True)
+    monkeypatch.setattr(ws, "fits", lambda *args: True)
+    monkeypatch.setattr(ws, "expert_wgrad_ws", stand_in)
+    _both_dw(problem, CPU_CFG, True, monkeypatch)  # not asked: never called
+    assert calls == []
+    if fails:
+        with pytest.warns(RuntimeWarning):
+            got = _both_dw(problem, CPU_CFG._replace(warp_specialize=True), True, monkeypatch)
+    else:
+        got = _both_dw(problem, CPU_CFG._replace(warp_specialize=True), True, monkeypatch)
+    assert calls == [True, False]
+    assert wg.LAST_WGRAD_WS == {True: not fails, False: not fails}
+    for (g, _), (w, _) in zip(got, want):
+        assert torch.equal(g, w)
