@@ -217,7 +217,8 @@ def fits(l_rows, r_rows, out_EMN, gather_l: bool, gather_r: bool, block_m: int,
          block_n: int, block_k: int, accumulate: bool) -> bool:
     """Whether this kernel takes the launch: exactly one operand gathered, 2-byte operands and
     dW of one dtype, no accumulation, M a multiple of BLOCK_M (the TMA store's boxes stay in
-    an expert), and 16-byte aligned rows."""
+    an expert), and 16-byte aligned rows, operands and dW alike (a `.grad` view into a flat
+    buffer may start anywhere)."""
     if gather_l == gather_r or accumulate or not out_EMN.is_contiguous():
         return False
     dtype = out_EMN.dtype
@@ -226,7 +227,7 @@ def fits(l_rows, r_rows, out_EMN, gather_l: bool, gather_r: bool, block_m: int,
     _, m, n = out_EMN.shape
     if m % block_m or n % block_n:
         return False
-    for t in (l_rows, r_rows):
+    for t in (l_rows, r_rows, out_EMN.view(-1, n)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
     return True

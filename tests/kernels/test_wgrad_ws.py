@@ -98,6 +98,8 @@ def test_the_warp_specialized_dw_takes_only_the_launches_it_fits():
     assert not ws.fits(l, r, torch.zeros(4, 384, 256, dtype=bf), True, False, 256, 256, 64,
                        False)  # M not a multiple of BLOCK_M
     assert not ws.fits(l.float(), r.float(), out.float(), True, False, 128, 256, 64, False)
+    flat = torch.zeros(1 + out.numel(), dtype=bf)  # dW starting 2 bytes into its buffer
+    assert not ws.fits(l, r, flat[1:].view(out.shape), True, False, 128, 256, 64, False)
     assert not ws.available(torch.device("cpu"))
 
 
