@@ -9,7 +9,7 @@ tile, so each tile of a short expert (8-16 K steps at T = 8192-16384) waits for 
 gathered rows; Nsight Compute put 22-35% of the dW warps' time there
 (benchmarks/results/ncu_kernels_source_h100.json).
 
-Here one program an SM runs three partitions over the same (tile, K step) sequence:
+Here one program an SM runs two partitions over the same (tile, K step) sequence:
 - a producer (4 warps) that, for every K step, waits for a free stage, issues the slot-order
   operand's TMA box (its bytes expected on the stage's `ready_s` barrier) and the gathered
   operand's rows by cp.async (`ready_g`: each producer thread arrives once its own copies
@@ -234,9 +234,9 @@ def fits(l_rows, r_rows, out_EMN, gather_l: bool, gather_r: bool, block_m: int,
 
 
 def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, num_tokens: int,
-                    num_slots: int, out_EMN, gather_l: bool, block_m: int, block_n: int, block_k: int,
-                    group_m: int, stages: int, num_programs: int, producer_warps: int = 4,
-                    producer_regs: int = 96):
+                    num_slots: int, out_EMN, gather_l: bool, block_m: int, block_n: int,
+                    block_k: int, group_m: int, stages: int, num_programs: int,
+                    producer_warps: int = 4, producer_regs: int = 96):
     """Fill out_EMN [E, M, N] with wgrad.expert_wgrad's sums (see `fits` for the cases)."""
     num_experts, m, n = out_EMN.shape
     s_rows, g_rows = (r_rows, l_rows) if gather_l else (l_rows, r_rows)
