@@ -52,9 +52,10 @@ LAST_PLAN: dict[str, Plan] = {}
 
 # On a GPU, a variant whose kernel fails to compile or launch (a Triton without a pass this
 # kernel needs, shared memory over the limit) is remembered, warned about once and replaced by
-# the pointer path. Benchmarks set this False to see the error instead.
+# the pointer path (a Gluon kernel by its Triton one: gluon_launch). Benchmarks set this False
+# to see the error instead.
 FALLBACK_ON_ERROR = True
-_FAILED_VARIANTS: dict[tuple, str] = {}
+_FAILED_VARIANTS: dict[tuple, str] = {}  # what failed -> _failure's line
 
 
 def build_plan(routes: RouteList, cfg: GemmConfig, n: int, device: torch.device,
@@ -119,8 +120,7 @@ def with_fallback(name: str, cfg: GemmConfig, device: torch.device, shape_key: t
             # the variant pipeline stages, as it does the pointer path.
             return fitted(name, cfg, shape_key, launch)
         except Exception as exc:  # a compile or launch failure of the variant: see above
-            lines = str(exc).strip().splitlines()
-            _FAILED_VARIANTS[key] = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+            _FAILED_VARIANTS[key] = _failure(exc)
             warnings.warn(f"{name}: the {cfg.variant} variant of {tuple(cfg)[:6]} failed "
                           f"({_FAILED_VARIANTS[key]}); using the pointer path", RuntimeWarning)
     out = fitted(name, base, shape_key, launch)
@@ -154,23 +154,27 @@ def act_scalars(clamp):
     return (1.0, 1.0) if clamp is None else (float(clamp[0]), float(clamp[1]))
 
 
-_FAILED_GLUON: set = set()  # (name, key) whose warp-specialized Gluon launch failed here
+def _failure(exc: Exception) -> str:
+    """A failed launch, in one line: its type and its message's first line."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def gluon_launch(name: str, key: tuple, launch) -> bool:
     """launch() of a warp-specialized Gluon kernel (wgrad_ws.py), and True; False where it
     failed before for this key, or fails now (a compile failure on this GPU or Triton: warned
-    once, remembered, and the caller runs its Triton kernel instead). With FALLBACK_ON_ERROR
-    off the failure is raised."""
-    if (name, key) in _FAILED_GLUON:
+    once, remembered with the failed variants, and the caller runs its Triton kernel
+    instead). With FALLBACK_ON_ERROR off the failure is raised."""
+    key = ("gluon", name, key)
+    if key in _FAILED_VARIANTS:
         return False
     try:
         launch()
     except Exception as exc:  # see above
         if not FALLBACK_ON_ERROR:
             raise
-        _FAILED_GLUON.add((name, key))
-        warnings.warn(f"{name}: the warp-specialized kernel failed ({type(exc).__name__}: "
-                      f"{str(exc).strip()[:200]}); using the Triton kernel", RuntimeWarning)
+        _FAILED_VARIANTS[key] = _failure(exc)
+        warnings.warn(f"{name}: the warp-specialized kernel failed ({_FAILED_VARIANTS[key]}); "
+                      "using the Triton kernel", RuntimeWarning)
         return False
     return True

@@ -107,7 +107,7 @@ def test_a_failed_gluon_launch_falls_back_once_and_is_remembered(monkeypatch):
     """gemm_launch.gluon_launch: a launch that raises is warned of once, not tried again for
     that key, and the caller told to run its Triton kernel; with FALLBACK_ON_ERROR off it
     raises."""
-    monkeypatch.setattr(gl, "_FAILED_GLUON", set())
+    monkeypatch.setattr(gl, "_FAILED_VARIANTS", {})
     calls = []
 
     def broken():
@@ -129,7 +129,7 @@ def test_expert_wgrad_takes_the_warp_specialized_kernel_where_asked(fails, monke
     """On the CPU, with the GPU checks stubbed: a config asking for warp_specialize calls the
     Gluon launcher (here a stand-in that writes the Triton kernel's result, or raises), and a
     failure leaves the Triton kernel's values; a config that does not ask never calls it."""
-    monkeypatch.setattr(gl, "_FAILED_GLUON", set())
+    monkeypatch.setattr(gl, "_FAILED_VARIANTS", {})
     problem = _problem(CASES[1], None, "cpu", torch.float32, 16)
     want = _both_dw(problem, CPU_CFG, True, monkeypatch)
     calls = []
