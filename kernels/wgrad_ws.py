@@ -48,6 +48,11 @@ except ImportError:  # pragma: no cover - an older Triton
     GLUON = False
 
 
+# The launch's partitions: the default one (the two consumer warpgroups) and the producer,
+# with the producer's register budget (the consumers get the rest).
+CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 4, 96
+
+
 def available(device: torch.device) -> bool:
     """Whether the warp-specialized dW can run on `device`: a Hopper GPU and Gluon."""
     return (GLUON and device.type == "cuda"
@@ -235,8 +240,7 @@ def fits(l_rows, r_rows, out_EMN, gather_l: bool, gather_r: bool, block_m: int,
 
 def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, num_tokens: int,
                     num_slots: int, out_EMN, gather_l: bool, block_m: int, block_n: int,
-                    block_k: int, group_m: int, stages: int, num_programs: int,
-                    producer_warps: int = 4, producer_regs: int = 96):
+                    block_k: int, group_m: int, stages: int, num_programs: int):
     """Fill out_EMN [E, M, N] with wgrad.expert_wgrad's sums (see `fits` for the cases)."""
     num_experts, m, n = out_EMN.shape
     s_rows, g_rows = (r_rows, l_rows) if gather_l else (l_rows, r_rows)
@@ -251,6 +255,6 @@ def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, nu
         s_desc, g_rows, dw_desc, slot_token, expert_starts, expert_counts, m, n,
         num_tokens, num_slots, num_tiles, g_rows.stride(0),
         GATHER_L=gather_l, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        STAGES=stages, PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs,
-        num_warps=8, enable_fp_fusion=FUSED)
+        STAGES=stages, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=CONSUMER_WARPS, enable_fp_fusion=FUSED)
     return out_EMN
