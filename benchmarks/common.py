@@ -142,13 +142,18 @@ def throughput_ms(fn, reps: int, rounds: int = 5, warmup: int = 2) -> float:
     return statistics.median(per_round)
 
 
+def nvml_device():
+    """(pynvml, the NVML handle of torch's current GPU), NVML initialised."""
+    import pynvml
+    import torch
+    pynvml.nvmlInit()
+    return pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+
+
 def sm_clock_reader():
     """A callable giving the GPU's SM clock (MHz) now, from NVML; None where NVML is missing."""
     try:
-        import pynvml
-        import torch
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        pynvml, h = nvml_device()
         pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
     except Exception:  # noqa: BLE001 - no NVML: the timings still count
         return None

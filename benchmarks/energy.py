@@ -23,16 +23,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import capture_graph, default_out, environment, error_text, write_json
+from common import capture_graph, default_out, environment, error_text, nvml_device, write_json
 from determinism import ATTENTION_SHAPE, attention_case
 from experts import SHAPES, make_case
 
 
 def burst(graph, seconds: float) -> dict:
-    import pynvml
     import torch
-    pynvml.nvmlInit()
-    h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    pynvml, h = nvml_device()
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -23,7 +23,8 @@ import statistics
 import threading
 import time
 
-from common import capture_graph, default_out, environment, throughput_ms, write_json
+from common import (capture_graph, default_out, environment, nvml_device, throughput_ms,
+                    write_json)
 from experts import SHAPES, fwd_flops, leaves_of, make_case
 
 
@@ -53,10 +54,8 @@ def timeline(events, replays: int) -> dict:
 
 
 def clocks(replay, seconds: float = 2.0) -> dict:
-    import pynvml
     import torch
-    pynvml.nvmlInit()
-    h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    pynvml, h = nvml_device()
     reasons_of = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) \
         or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
     samples, stop = [], threading.Event()
