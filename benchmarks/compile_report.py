@@ -70,6 +70,9 @@ def slot_gemm_source(cfg, route_block: int, w_nk: bool):
     @ w_gate_up [E, 2F, H]); TMA for both operands where the K rule allows it."""
     from moegraph_kernels.slot_gemm import _slot_gemm_kernel as fn
     n, k = (H, F) if w_nk else (H, 2 * F)
+    if cfg.warp_specialize and cfg.block_m == route_block == 128 and n % cfg.block_n == 0 \
+            and k % cfg.block_k == 0:
+        return slot_gemm_ws_source(cfg, w_nk)
     use_tma = cfg.tma and (w_nk or k % cfg.block_k == 0)
     consts = dict(W_NK=w_nk, ROUTE_BLOCK=route_block, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -81,6 +84,22 @@ def slot_gemm_source(cfg, route_block: int, w_nk: bool):
              else "*bf16",
              "w_desc": f"tensordesc<bf16[{w_box[0]}, {w_box[1]}]>" if use_tma else "*bf16"}
     return _source(fn, consts, types, odd=("num_experts",)), cfg
+
+
+def slot_gemm_ws_source(cfg, w_nk: bool):
+    """slot_gemm_ws.py's warp-specialized kernel (slot_gemm's choice on a Hopper GPU where
+    cfg asks for warp_specialize and the launch fits), at the stages that fit."""
+    from moegraph_kernels import slot_gemm_ws as ws
+    fn = ws._slot_gemm_ws_kernel
+    stages = ws.stages_that_fit(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages)
+    consts = dict(W_NK=w_nk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  GROUP_M=cfg.group_m, STAGES=stages, PRODUCER_WARPS=ws.PRODUCER_WARPS,
+                  PRODUCER_REGS=ws.PRODUCER_REGS, num_warps=ws.CONSUMER_WARPS)
+    w_box = (cfg.block_n, cfg.block_k) if w_nk else (cfg.block_k, cfg.block_n)
+    types = {"a_desc": _gluon_desc((cfg.block_m, cfg.block_k)), "w_desc": _gluon_desc(w_box),
+             "c_desc": _gluon_desc((cfg.block_m, cfg.block_n))}
+    return (_source(fn, consts, types, odd=("num_experts", "num_blocks")),
+            cfg._replace(num_warps=ws.CONSUMER_WARPS, num_stages=stages))
 
 
 def _meta(cfg) -> dict:

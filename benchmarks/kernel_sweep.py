@@ -77,6 +77,13 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         # K-grouped _grouped_mm over the padded segments (the copy is timed with it).
         out.append(("grouped_mm", d._replace(tma=False), False))
         return out
+    if kernel in ("fc2", "dx") and d.persistent:
+        # The persistent Triton kernel (no Gluon), and the warp-specialized Gluon kernel
+        # (kernels/slot_gemm_ws.py) at 2 stages and at tile groups of 4 (each once).
+        ws = d._replace(warp_specialize=True)
+        for name, c in (("triton", d._replace(warp_specialize=False)), ("ws", ws),
+                        ("ws_s2", ws._replace(num_stages=2)), ("ws_g4", ws._replace(group_m=4))):
+            out += [(name, c, True)] if c not in [o[1] for o in out] else []
     if kernel == "dact":
         # Persistent dA spilled before its epilogue masked rows by the route (3-20x slower,
         # kernel_sweep_8192.json); the 4-warp tiles fit two CTAs an SM.

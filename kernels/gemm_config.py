@@ -26,7 +26,9 @@ tma.py and gemm_launch.py; the default is the pointer path with one program per 
   are then never visited, and every tile runs the same K loop, with bounds that do not
   depend on the tile -- which lets `flatten` (default on) fuse the tile and K loops, so the
   pipeliner overlaps one tile's epilogue with the next tile's loads.
-- `warp_specialize` (persistent + tma, slot_gemm only, block_m 128): passed to that tl.range.
+- `warp_specialize` (persistent + tma, slot_gemm only, block_m 128): on a Hopper GPU,
+  slot_gemm's warp-specialized Gluon kernel (slot_gemm_ws.py) where the launch fits; else
+  passed to that tl.range (where WARP_SPECIALIZE_ENABLED).
   On Hopper (Triton 3.6) the pass splits a loop whose loads are all TMA into a producer warp
   group and two consumer warp groups of 64 rows (num_warps=4 -> 12 warps), and only when the
   loop is not flattened, so flatten is dropped there. The gathered kernels ignore it: the pass
@@ -86,6 +88,12 @@ DACT_PAIRED = flag_from_env("MOEGRAPH_DACT_PAIRED", True)
 # space" and lost the CUDA context (not recoverable, so no fallback can catch it). A config
 # asking for it runs the persistent TMA kernel without warp specialization.
 WARP_SPECIALIZE_ENABLED = False
+
+# FC2 and dX at 128-row blocks ask for the warp-specialized Gluon kernel of slot_gemm_ws.py
+# (`GemmConfig.warp_specialize`, which slot_gemm reads as that kernel's switch: taken on a
+# Hopper GPU where the launch fits, the Triton kernel otherwise; the same sums).
+# MOEGRAPH_SLOT_GEMM_WS=0 keeps the Triton kernel.
+SLOT_GEMM_WS = flag_from_env("MOEGRAPH_SLOT_GEMM_WS", True)
 
 
 class GemmConfig(NamedTuple):

@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from . import gemm_launch as gl
-from . import tma
+from . import gluon_hopper, slot_gemm_ws, tma
 from .fp_fusion import FUSED
-from .gemm_config import GemmConfig, slot_gemm_config
+from .gemm_config import GemmConfig, slot_gemm_config, splits_tail
 from .route_align import RouteList
 from .slot_schedule import live_block_list, persistent_tile, program_tile, store_zero_rows
 
@@ -154,9 +154,34 @@ def slot_gemm(a_SK, w_E, routes: RouteList, out, w_nk: bool, cfg: GemmConfig | N
     if bias_EN is not None and topk_weights_N is None:
         raise ValueError("slot_gemm: bias_EN needs topk_weights_N (the bias is scaled by p)")
     cfg = cfg or slot_gemm_config(n, routes.block_m, a_SK.device)
+    if cfg.warp_specialize and bias_EN is None \
+            and _warp_specialized(a_SK, w_E, routes, out, w_nk, cfg):
+        return out
     return gl.with_fallback(
         "fc2" if w_nk else "dx", cfg, a_SK.device, (a_SK.dtype, routes.block_m, k_dim, n),
         lambda c: _slot_gemm(a_SK, w_E, routes, out, w_nk, c, bias_EN, topk_weights_N))
+
+
+def _warp_specialized(a_SK, w_E, routes: RouteList, out, w_nk: bool, cfg: GemmConfig) -> bool:
+    """slot_gemm through slot_gemm_ws.py's kernel where the GPU is a Hopper and the launch
+    fits (True, and LAST_PLAN says warp_specialize); False (nothing written) otherwise, or
+    where its launch fails (gemm_launch.gluon_launch: then the Triton kernel)."""
+    if not (gluon_hopper.available(a_SK.device) and not splits_tail(routes, cfg)
+            and slot_gemm_ws.fits(a_SK, w_E, out, w_nk, cfg.block_m, cfg.block_n,
+                                  cfg.block_k, routes.block_m)):
+        return False
+    name = "fc2" if w_nk else "dx"
+    grid = []
+    ran = gl.gluon_launch(name, (cfg, a_SK.dtype, a_SK.shape[1], out.shape[1]),
+                          lambda: grid.append(slot_gemm_ws.slot_gemm_ws(
+                              a_SK, w_E, routes.block_expert, routes.expert_starts,
+                              routes.expert_counts, out, w_nk, cfg.block_m, cfg.block_n,
+                              cfg.block_k, cfg.group_m, cfg.num_stages,
+                              tma.num_programs(a_SK.device))))
+    if ran:
+        gl.LAST_PLAN[name] = gl.Plan(tma=True, persistent=True, flatten=False,
+                                     warp_specialize=True, grid=grid[0])
+    return ran
 
 
 def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=None):

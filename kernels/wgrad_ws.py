@@ -27,36 +27,18 @@ can run; the launcher (wgrad.expert_wgrad) falls back to the Triton kernel other
 
 from __future__ import annotations
 
-import torch
-
 from .fp_fusion import FUSED
+from .gluon_hopper import GL_DTYPES, GLUON, available, descriptor, rows_aligned  # noqa: F401
 from .slot_schedule import grouped_pid
 
-try:  # Gluon: Triton >= 3.5 (the names used here are in 3.6 and 3.9)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    # Triton 3.9 renamed the TMA copies (the 3.6 names raise there).
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    GLUON = True
-except ImportError:  # pragma: no cover - an older Triton
-    GLUON = False
+if GLUON:
+    from .gluon_hopper import (async_copy, cp_async, fence_async_shared, gl, gluon, mbarrier,
+                               tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait)
 
 
 # The launch's partitions: the default one (the two consumer warpgroups) and the producer,
 # with the producer's register budget (the consumers get the rest).
 CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 4, 96
-
-
-def available(device: torch.device) -> bool:
-    """Whether the warp-specialized dW can run on `device`: a Hopper GPU and Gluon."""
-    return (GLUON and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 if GLUON:
@@ -118,11 +100,11 @@ if GLUON:
                 mbarrier.wait(empty.index(stage), phase ^ 1)
                 bar_s = ready_s.index(stage)
                 mbarrier.expect(bar_s, s_desc.block_type.nbytes)
-                _tma_load(s_desc, [start + k0, s_col], bar_s, s_bufs.index(stage))
+                tma_load(s_desc, [start + k0, s_col], bar_s, s_bufs.index(stage))
                 ptrs = (g_ptr + tok.to(gl.int64)[:, None] * stride_g
                         + (g_col + offs_c)[None, :])
                 mask = (tok < num_tokens)[:, None] & g_ok[None, :]
-                _cp_async(g_bufs.index(stage), ptrs, mask=mask)
+                cp_async(g_bufs.index(stage), ptrs, mask=mask)
                 async_copy.mbarrier_arrive(ready_g.index(stage), increment_count=False)
                 it += 1
             if count == 0:
@@ -175,7 +157,7 @@ if GLUON:
             tma.store_wait(0)  # the last tile's store has left out_buf
             out_buf.store(acc.to(dw_desc.dtype))
             fence_async_shared()
-            _tma_store(dw_desc, [expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N], out_buf)
+            tma_store(dw_desc, [expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N], out_buf)
         tma.store_wait(0)
 
     @gluon.jit
@@ -211,13 +193,6 @@ if GLUON:
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
-def _nvmma(block_shape, dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_DTYPES[dtype])
-
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if GLUON else {}
-
-
 def fits(l_rows, r_rows, out_EMN, gather_l: bool, gather_r: bool, block_m: int,
          block_n: int, block_k: int, accumulate: bool) -> bool:
     """Whether this kernel takes the launch: exactly one operand gathered, 2-byte operands and
@@ -227,15 +202,12 @@ def fits(l_rows, r_rows, out_EMN, gather_l: bool, gather_r: bool, block_m: int,
     if gather_l == gather_r or accumulate or not out_EMN.is_contiguous():
         return False
     dtype = out_EMN.dtype
-    if dtype not in _GL_DTYPES or l_rows.dtype != dtype or r_rows.dtype != dtype:
+    if dtype not in GL_DTYPES or l_rows.dtype != dtype or r_rows.dtype != dtype:
         return False
     _, m, n = out_EMN.shape
     if m % block_m or n % block_n:
         return False
-    for t in (l_rows, r_rows, out_EMN.view(-1, n)):
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return False
-    return True
+    return rows_aligned(l_rows, r_rows, out_EMN.view(-1, n))
 
 
 def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, num_tokens: int,
@@ -245,10 +217,8 @@ def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, nu
     num_experts, m, n = out_EMN.shape
     s_rows, g_rows = (r_rows, l_rows) if gather_l else (l_rows, r_rows)
     s_box = (block_k, block_n) if gather_l else (block_k, block_m)
-    s_desc = TensorDescriptor.from_tensor(s_rows, list(s_box), _nvmma(s_box, s_rows.dtype))
-    flat = out_EMN.view(num_experts * m, n)
-    dw_desc = TensorDescriptor.from_tensor(flat, [block_m, block_n],
-                                           _nvmma((block_m, block_n), flat.dtype))
+    s_desc = descriptor(s_rows, s_box)
+    dw_desc = descriptor(out_EMN.view(num_experts * m, n), (block_m, block_n))
     num_tiles = num_experts * (m // block_m) * (n // block_n)
     grid = (min(num_tiles, num_programs),)
     _wgrad_ws_kernel[grid](

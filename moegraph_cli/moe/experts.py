@@ -113,6 +113,9 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     dx = cfg.dx.with_variant("tma+persistent")
     if block >= 128:
         dx = dx._replace(num_stages=4)
+        # Both as the warp-specialized Gluon kernel on a Hopper GPU (gemm_config.SLOT_GEMM_WS).
+        fc2 = fc2._replace(warp_specialize=gemm_config.SLOT_GEMM_WS)
+        dx = dx._replace(warp_specialize=gemm_config.SLOT_GEMM_WS)
     # FC1 paired (one [2, BN, BK] gate/up box, one dot a K step), and at 128-row blocks
     # persistent: benchmarks/experts_ab.py on the H200, T = 8192, FC1 alone 0.79-0.82 ms
     # paired against 0.87-0.90 unpaired; persistent on top 0.796 / 0.837 / 0.809 against

@@ -51,7 +51,12 @@ def test_every_product_expert_kernel_compiles_for_hopper():
     # dW's long loops: the warp-specialized Gluon kernel (its own buffers: the TMA store tile)
     assert by["wgrad_gate_up", 8192]["variant"] == "tma+persistent+ws+store"
     assert "256x128 bf16" in by["wgrad_gate_up", 8192]["buffers"]
-    assert by["dx", 8192]["variant"] == "tma+persistent"
+    # FC2 and dX at 128-row blocks: the warp-specialized Gluon kernel at the 3 stages that
+    # fit beside its [BM, BN] store buffer; at 64-row blocks the Triton kernel.
+    for kernel in ("fc2", "dx"):
+        assert by[kernel, 8192]["variant"] == "tma+persistent+ws", by[kernel, 8192]
+        assert by[kernel, 8192]["tile"][5] == 3 and "128x256 bf16" in by[kernel, 8192]["buffers"]
+        assert "ws" not in by[kernel, 1024]["variant"]
     # The product's launch keywords name the contraction (kernels/fp_fusion.py): Triton 3.9
     # warns of an unset one, and these compiles go through those keywords.
     assert "FP_FUSION" not in out.stderr, out.stderr[-2000:]

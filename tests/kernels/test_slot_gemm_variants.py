@@ -142,8 +142,9 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
     # dW: the slot-order side by TMA; the long loops persistent with the tile stored by TMA,
     # warp-specialized where the GPU allows (wgrad.WARP_SPECIALIZED)
     long_dw = "tma+persistent+ws+store" if wg.WARP_SPECIALIZED else "tma+persistent+store"
-    for routes, variants, dw in ((8192 * 8, (big, "tma+persistent", "pair", "tma+persistent"),
-                                  long_dw),
+    # FC2 and dX at 128-row blocks: the Gluon kernel where the GPU allows (gc.SLOT_GEMM_WS)
+    slot = "tma+persistent+ws" if gc.SLOT_GEMM_WS else "tma+persistent"
+    for routes, variants, dw in ((8192 * 8, (big, slot, "pair", slot), long_dw),
                                  (1024 * 8, (small, "base", "base", "tma+persistent"), "tma")):
         chosen = tile_configs(routes, 128, 2048, 768, torch.device("cuda"))
         assert tuple(c.variant for c in chosen[1:5]) == variants
@@ -200,10 +201,10 @@ def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
     fc2 = gc.GemmConfig(128, 128, 64, 8, 8, 4)
     monkeypatch.setattr(gc, "FC2_TILE_OVERRIDE", fc2)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
-    assert chosen.fc2 == fc2.with_variant("tma+persistent")
+    slot = "tma+persistent+ws" if gc.SLOT_GEMM_WS else "tma+persistent"
+    assert chosen.fc2 == fc2.with_variant(slot)
     # dX keeps its own tile (TMA + persistent, 4 stages at 128-row blocks)
-    assert chosen.dx == gc.slot_gemm_config(2048, 128, cuda).with_variant(
-        "tma+persistent")._replace(
+    assert chosen.dx == gc.slot_gemm_config(2048, 128, cuda).with_variant(slot)._replace(
         num_stages=4)
     assert tile_configs(1024 * 8, 128, 2048, 768, cuda).fc2 == gc.GemmConfig(64, 128, 64, 8, 4,
                                                                              4)
