@@ -51,6 +51,9 @@ def fc1_source(cfg, route_block: int):
     Y1 and A by TMA stores only under MOEGRAPH_FC1_TMA_STORE)."""
     from moegraph_kernels import gemm_config as gc
     from moegraph_kernels.fc1_swiglu import _fc1_swiglu_kernel as fn
+    if cfg.warp_specialize and cfg.block_m == route_block == 128 and F % cfg.block_n == 0 \
+            and H % cfg.block_k == 0:
+        return fc1_ws_source(cfg)
     paired = cfg.tma and cfg.paired and 2 * cfg.block_n <= 256
     y_tma = gc.FC1_TMA_STORE and cfg.tma and F % cfg.block_n == 0
     consts = dict(ROUTE_BLOCK=route_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -63,6 +66,28 @@ def fc1_source(cfg, route_block: int):
     types = {"alpha": "fp32", "limit": "fp32", "w_desc": box if cfg.tma else "*bf16",
              "y1_desc": store, "act_desc": store}
     return _source(fn, consts, types, odd=("num_experts",)), cfg
+
+
+def fc1_ws_source(cfg):
+    """fc1_swiglu_ws.py's warp-specialized kernel (fc1_swiglu's choice on a Hopper GPU where
+    cfg asks for warp_specialize and the launch fits), at the stages that fit."""
+    from moegraph_kernels import fc1_swiglu_ws as ws
+    return _ws_source(ws, ws._fc1_swiglu_ws_kernel, cfg, {}, {
+        "w_desc": _gluon_desc((cfg.block_n, cfg.block_k)),
+        "y1_desc": _gluon_desc((cfg.block_m, cfg.block_n)),
+        "act_desc": _gluon_desc((cfg.block_m, cfg.block_n))})
+
+
+def _ws_source(module, fn, cfg, consts: dict, types: dict):
+    """(ASTSource, the config it runs) of a warp-specialized Gluon kernel of `module` (its
+    partitions' constants, the stages that fit) under cfg."""
+    stages = module.stages_that_fit(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages)
+    consts = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  GROUP_M=cfg.group_m, STAGES=stages, PRODUCER_WARPS=module.PRODUCER_WARPS,
+                  PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.CONSUMER_WARPS)
+    return (_source(fn, consts, types, odd=("num_experts", "num_blocks", "num_tokens",
+                                            "num_routes")),
+            cfg._replace(num_warps=module.CONSUMER_WARPS, num_stages=stages))
 
 
 def slot_gemm_source(cfg, route_block: int, w_nk: bool):
@@ -90,16 +115,10 @@ def slot_gemm_ws_source(cfg, w_nk: bool):
     """slot_gemm_ws.py's warp-specialized kernel (slot_gemm's choice on a Hopper GPU where
     cfg asks for warp_specialize and the launch fits), at the stages that fit."""
     from moegraph_kernels import slot_gemm_ws as ws
-    fn = ws._slot_gemm_ws_kernel
-    stages = ws.stages_that_fit(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages)
-    consts = dict(W_NK=w_nk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  GROUP_M=cfg.group_m, STAGES=stages, PRODUCER_WARPS=ws.PRODUCER_WARPS,
-                  PRODUCER_REGS=ws.PRODUCER_REGS, num_warps=ws.CONSUMER_WARPS)
     w_box = (cfg.block_n, cfg.block_k) if w_nk else (cfg.block_k, cfg.block_n)
-    types = {"a_desc": _gluon_desc((cfg.block_m, cfg.block_k)), "w_desc": _gluon_desc(w_box),
-             "c_desc": _gluon_desc((cfg.block_m, cfg.block_n))}
-    return (_source(fn, consts, types, odd=("num_experts", "num_blocks")),
-            cfg._replace(num_warps=ws.CONSUMER_WARPS, num_stages=stages))
+    return _ws_source(ws, ws._slot_gemm_ws_kernel, cfg, {"W_NK": w_nk}, {
+        "a_desc": _gluon_desc((cfg.block_m, cfg.block_k)), "w_desc": _gluon_desc(w_box),
+        "c_desc": _gluon_desc((cfg.block_m, cfg.block_n))})
 
 
 def _meta(cfg) -> dict:

@@ -77,6 +77,11 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         # K-grouped _grouped_mm over the padded segments (the copy is timed with it).
         out.append(("grouped_mm", d._replace(tma=False), False))
         return out
+    if kernel == "fc1" and d.warp_specialize:
+        # The Triton kernel at the same tile, against the Gluon one (kernels/fc1_swiglu_ws.py),
+        # which also runs at tile groups of 8.
+        out += [("triton", d._replace(warp_specialize=False), True),
+                ("ws_g8", d._replace(group_m=8), True)]
     if kernel in ("fc2", "dx") and d.persistent:
         # The persistent Triton kernel (no Gluon), and the warp-specialized Gluon kernel
         # (kernels/slot_gemm_ws.py) at 2 stages and at tile groups of 4 (each once).

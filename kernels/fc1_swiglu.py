@@ -27,13 +27,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import fc1_swiglu_ws, gluon_hopper, tma
 from . import gemm_config as gc
 from . import gemm_launch as gl
-from . import tma
 from .fp_fusion import FUSED
 from .gated_act import gated_forward
 from .gathered_loop import gathered_k_loop
-from .gemm_config import GemmConfig, fc1_config
+from .gemm_config import GemmConfig, fc1_config, splits_tail
 from .route_align import RouteList
 from .slot_schedule import live_block_list, persistent_tile, program_tile, store_zero_gated_rows
 
@@ -170,10 +170,34 @@ def fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes: RouteList, y1_out, a
     num_tokens, hidden = x_TH.shape
     ffn = w_gate_up_EFH.shape[1] // 2
     cfg = cfg or fc1_config(ffn, routes.block_m, x_TH.device)
+    if cfg.warp_specialize and bias_EF2 is None and clamp is None and _warp_specialized(
+            x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cfg):
+        return y1_out, act_out
     return gl.with_fallback(
         "fc1", cfg, x_TH.device, (x_TH.dtype, routes.block_m, hidden, ffn),
         lambda c: _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, c,
                               bias_EF2, clamp))
+
+
+def _warp_specialized(x_TH, w_gate_up_EFH, topk_weights_N, routes: RouteList, y1_out,
+                      act_out, cfg: GemmConfig) -> bool:
+    """fc1_swiglu through fc1_swiglu_ws.py's kernel where the GPU is a Hopper and the launch
+    fits (True, and LAST_PLAN says warp_specialize); False (nothing written) otherwise, or
+    where its launch fails (gemm_launch.gluon_launch: then the Triton kernel)."""
+    if not (gluon_hopper.available(x_TH.device) and not splits_tail(routes, cfg)
+            and fc1_swiglu_ws.fits(x_TH, w_gate_up_EFH, y1_out, act_out, cfg.block_m,
+                                   cfg.block_n, cfg.block_k, routes.block_m)):
+        return False
+    grid = []
+    ran = gl.gluon_launch("fc1", (cfg, x_TH.dtype, x_TH.shape[1], w_gate_up_EFH.shape[1]),
+                          lambda: grid.append(fc1_swiglu_ws.fc1_swiglu_ws(
+                              x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out,
+                              cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
+                              cfg.num_stages, tma.num_programs(x_TH.device))))
+    if ran:
+        gl.LAST_PLAN["fc1"] = gl.Plan(tma=True, persistent=True, flatten=False,
+                                      warp_specialize=True, grid=grid[0], store_tma=True)
+    return ran
 
 
 def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cfg,

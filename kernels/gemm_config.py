@@ -26,9 +26,10 @@ tma.py and gemm_launch.py; the default is the pointer path with one program per 
   are then never visited, and every tile runs the same K loop, with bounds that do not
   depend on the tile -- which lets `flatten` (default on) fuse the tile and K loops, so the
   pipeliner overlaps one tile's epilogue with the next tile's loads.
-- `warp_specialize` (persistent + tma, slot_gemm only, block_m 128): on a Hopper GPU,
-  slot_gemm's warp-specialized Gluon kernel (slot_gemm_ws.py) where the launch fits; else
-  passed to that tl.range (where WARP_SPECIALIZE_ENABLED).
+- `warp_specialize` (block_m 128): on a Hopper GPU, the warp-specialized Gluon kernel of
+  slot_gemm (slot_gemm_ws.py) or of fc1_swiglu (fc1_swiglu_ws.py) where the launch fits;
+  else, in slot_gemm (persistent + tma), passed to that tl.range (where
+  WARP_SPECIALIZE_ENABLED).
   On Hopper (Triton 3.6) the pass splits a loop whose loads are all TMA into a producer warp
   group and two consumer warp groups of 64 rows (num_warps=4 -> 12 warps), and only when the
   loop is not flattened, so flatten is dropped there. The gathered kernels ignore it: the pass
@@ -94,6 +95,11 @@ WARP_SPECIALIZE_ENABLED = False
 # Hopper GPU where the launch fits, the Triton kernel otherwise; the same sums).
 # MOEGRAPH_SLOT_GEMM_WS=0 keeps the Triton kernel.
 SLOT_GEMM_WS = flag_from_env("MOEGRAPH_SLOT_GEMM_WS", True)
+
+# FC1 at 128-row blocks asks for the warp-specialized Gluon kernel of fc1_swiglu_ws.py the same
+# way (its X rows gathered by cp.async in a producer partition). MOEGRAPH_FC1_WS=0 keeps the
+# Triton kernel.
+FC1_WS = flag_from_env("MOEGRAPH_FC1_WS", True)
 
 
 class GemmConfig(NamedTuple):

@@ -24,6 +24,18 @@ try:  # Gluon: Triton >= 3.5 (the names used here are in 3.6 and 3.9)
 except ImportError:  # pragma: no cover - an older Triton
     GLUON = False
 
+if GLUON:
+
+    @gluon.jit
+    def await_gathered_stage(ready_tma, ready_cp, stage, phase):
+        """Wait for a stage filled partly by TMA (`ready_tma`) and partly by the producer's
+        cp.async copies (`ready_cp`), then fence: the cp.async rows were written through the
+        generic proxy, and wgmma reads through the async one."""
+        mbarrier.wait(ready_tma.index(stage), phase)
+        mbarrier.wait(ready_cp.index(stage), phase)
+        fence_async_shared()
+
+
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if GLUON else {}
 
 

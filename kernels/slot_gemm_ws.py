@@ -61,6 +61,16 @@ if GLUON:
         return pid_m, pid_n, gl.load(block_expert_ptr + pid_m)
 
     @gluon.jit
+    def _next_tile(tile, num_tiles, num_blocks, tiles_n, block_expert_ptr,
+                   GROUP_M: gl.constexpr):
+        """The program's tile after `tile`: (tile, pid_m, pid_n, expert), expert -1 past the
+        last tile; read ahead, while the current tile's steps run."""
+        nxt = tile + gl.num_programs(0)
+        pid_m, pid_n = grouped_pid(nxt, num_blocks, tiles_n, GROUP_M)
+        return nxt, pid_m, pid_n, gl.load(block_expert_ptr + pid_m, mask=nxt < num_tiles,
+                                          other=-1)
+
+    @gluon.jit
     def _live_blocks(expert_start_ptr, expert_count_ptr, num_experts, num_blocks,
                      BLOCK_M: gl.constexpr):
         """The slot blocks up to the end of the last expert's live rows: segments lie in
@@ -106,16 +116,13 @@ if GLUON:
         STAGES: gl.constexpr = a_bufs.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-        step = gl.num_programs(0)
         num_tiles = num_blocks * tiles_n
         tile = gl.program_id(0)
-        # The next tile's expert is read while this tile's MMAs run.
         pid_m, pid_n, expert = _tile_of(tile, num_blocks, tiles_n, block_expert_ptr, GROUP_M)
         it = 0
         while tile < num_tiles:
-            nxt = tile + step
-            n_pid_m, n_pid_n = grouped_pid(nxt, num_blocks, tiles_n, GROUP_M)
-            n_expert = gl.load(block_expert_ptr + n_pid_m, mask=nxt < num_tiles, other=-1)
+            nxt, n_pid_m, n_pid_n, n_expert = _next_tile(tile, num_tiles, num_blocks, tiles_n,
+                                                         block_expert_ptr, GROUP_M)
             if expert >= 0:
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
                 prev = 0

@@ -32,8 +32,9 @@ from .gluon_hopper import GL_DTYPES, GLUON, available, descriptor, rows_aligned 
 from .slot_schedule import grouped_pid
 
 if GLUON:
-    from .gluon_hopper import (async_copy, cp_async, fence_async_shared, gl, gluon, mbarrier,
-                               tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait)
+    from .gluon_hopper import (async_copy, await_gathered_stage, cp_async, fence_async_shared, gl,
+                               gluon, mbarrier, tma, tma_load, tma_store, warpgroup_mma,
+                               warpgroup_mma_wait)
 
 
 # The launch's partitions: the default one (the two consumer warpgroups) and the producer,
@@ -135,11 +136,7 @@ if GLUON:
             for k0 in range(0, count, BLOCK_K):
                 stage = it % STAGES
                 phase = (it // STAGES) & 1
-                mbarrier.wait(ready_s.index(stage), phase)
-                mbarrier.wait(ready_g.index(stage), phase)
-                # The cp.async rows were written through the generic proxy; wgmma reads
-                # through the async one.
-                fence_async_shared()
+                await_gathered_stage(ready_s, ready_g, stage, phase)
                 if GATHER_L:
                     a = g_bufs.index(stage).permute((1, 0))
                     b = s_bufs.index(stage)

@@ -134,7 +134,10 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     dact = cfg.dact
     if gemm_config.DACT_PAIRED and block >= 128:
         dact = dact._replace(num_stages=3).with_variant("pair")
-    return cfg._replace(fc1=cfg.fc1.with_variant(fc1), fc2=fc2, dx=dx, dact=dact)
+    fc1 = cfg.fc1.with_variant(fc1)
+    if block >= 128:  # the warp-specialized Gluon kernel on a Hopper GPU (gemm_config.FC1_WS)
+        fc1 = fc1._replace(warp_specialize=gemm_config.FC1_WS)
+    return cfg._replace(fc1=fc1, fc2=fc2, dx=dx, dact=dact)
 
 
 def build_routes(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,

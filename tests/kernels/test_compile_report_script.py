@@ -44,8 +44,12 @@ def test_every_product_expert_kernel_compiles_for_hopper():
         assert "error" not in doc and 0 < doc["registers"] <= 255, doc
         assert doc["spill_store_bytes"] >= 0 and doc["shared_bytes"] > 0, doc
     # The variants the product picks at 128-row blocks, each seen in what was lowered.
-    assert by["fc1", 8192]["variant"] == "tma+persistent+pair"
-    assert "4x2x128x64 bf16" in by["fc1", 8192]["buffers"]  # the [2, BN, BK] gate/up box
+    # FC1 at 128-row blocks: the warp-specialized Gluon kernel (gate and up boxes, two
+    # [BM, BN] store buffers); at 64-row blocks the Triton kernel's [2, BN, BK] gate/up box.
+    assert by["fc1", 8192]["variant"] == "tma+persistent+ws+pair"
+    assert "2x128x128 bf16" in by["fc1", 8192]["buffers"], by["fc1", 8192]
+    assert by["fc1", 1024]["variant"] == "tma+pair"
+    assert "5x2x128x32 bf16" in by["fc1", 1024]["buffers"], by["fc1", 1024]
     assert by["dact", 8192]["variant"] == "pair" and by["dact", 8192]["tile"][:3] == [128, 128, 64]
     assert "3x64x256 bf16" in by["dact", 8192]["buffers"]  # the 2 BN tile
     # dW's long loops: the warp-specialized Gluon kernel (its own buffers: the TMA store tile)

@@ -139,6 +139,7 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
         cfg.with_variant("r128+r96")
     # the product's choice (moe/experts.tile_configs), measured on the H200
     big, small = ("tma+persistent+pair", "tma+pair") if gc.FC1_PAIRED else ("tma", "tma")
+    big = _fc1_ws(big)
     # dW: the slot-order side by TMA; the long loops persistent with the tile stored by TMA,
     # warp-specialized where the GPU allows (wgrad.WARP_SPECIALIZED)
     long_dw = "tma+persistent+ws+store" if wg.WARP_SPECIALIZED else "tma+persistent+store"
@@ -151,12 +152,18 @@ def test_gemm_config_positional_construction_keeps_the_default_path():
         assert all(c.variant == dw for c in chosen[5:]), [c.variant for c in chosen[5:]]
 
 
+def _fc1_ws(variant: str) -> str:
+    """FC1's variant at 128-row blocks, with the Gluon kernel asked for (gc.FC1_WS)."""
+    return gc.GemmConfig(128, 128, 64, 4, 8, 4).with_variant(variant)._replace(
+        warp_specialize=gc.FC1_WS).variant
+
+
 @pytest.mark.parametrize("paired", [False, True])
 def test_fc1_pairing_follows_its_switch(paired, monkeypatch):
     """MOEGRAPH_FC1_PAIRED (read into gc.FC1_PAIRED) picks the paired FC1; nothing else moves."""
     monkeypatch.setattr(gc, "FC1_PAIRED", paired)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, torch.device("cuda"))
-    assert chosen.fc1.variant == ("tma+persistent+pair" if paired else "tma")
+    assert chosen.fc1.variant == _fc1_ws("tma+persistent+pair" if paired else "tma")
     assert chosen.dact.paired and not any(c.paired for c in (chosen[2], *chosen[4:]))
     small = tile_configs(1024 * 8, 128, 2048, 768, torch.device("cuda"))  # 64-row blocks
     assert small.fc1.variant == ("tma+pair" if paired else "tma")
@@ -197,7 +204,8 @@ def test_fc1_tile_override_applies_only_where_its_block_fits(monkeypatch):
     assert gc.fc1_config(768, 64, cuda) == default64
     assert gc.fc1_config(768, 128, cpu) == gc.GemmConfig(128, 32, 32, 4, 4, 1)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)
-    assert chosen.fc1 == tile.with_variant("tma+persistent+pair" if gc.FC1_PAIRED else "tma")
+    assert chosen.fc1 == tile.with_variant(_fc1_ws("tma+persistent+pair" if gc.FC1_PAIRED
+                                                   else "tma"))
     fc2 = gc.GemmConfig(128, 128, 64, 8, 8, 4)
     monkeypatch.setattr(gc, "FC2_TILE_OVERRIDE", fc2)
     chosen = tile_configs(8192 * 8, 128, 2048, 768, cuda)

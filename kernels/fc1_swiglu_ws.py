@@ -1,0 +1,247 @@
+"""FC1 + SwiGLU on Hopper, warp-specialized (Gluon): the gathered X rows and the gate/up weight
+boxes load ahead across tiles, and Y1 and A leave by TMA stores while the next tile's MMAs run.
+
+The same values as fc1_swiglu.py's tile (its layout contract: Y1[s] = X[slot_token[s]] @
+w_gate_up[e(s)]^T as [gate | up], A[s] = silu(g) * u * p from the rounded g and u), for the
+launches its Triton kernel cannot pipeline across tiles: the X rows are gathered by token, so
+Triton 3.6 cannot warp-specialize the loop (its pass needs all-TMA loads, and Hopper's TMA
+cannot gather), and its persistent loop refills the pipeline and runs the SwiGLU epilogue
+before the next tile's first MMA.
+
+One program an SM runs two partitions over slot_gemm_ws.py's tile sequence (slot blocks x
+F / BN column tiles, GROUP_M blocks at a time, blocks of no expert skipped):
+- a producer (4 warps) that, for every K step, waits for a free stage, issues the gate and
+  up weight boxes by TMA (`ready_w`, bytes expected) and the gathered X rows by cp.async
+  (`ready_x`: each producer thread arrives once its own copies land; padding slots'
+  rows are masked, so cp.async fills them with zeros), the next tile's token ids loaded
+  while this tile's steps are issued;
+- the default partition (8 warps, two warpgroups of 64 rows) that runs a gate wgmma and an
+  up wgmma a stage (the two [BM, BN] dots of the unpaired Triton tile: the same sums, element
+  by element, as its paired [BM, 2 BN] dot), hands the stage back once the next stage's
+  wgmmas are issued, then rounds g and u, stores them by TMA, computes A from them with
+  gated_act.py's formula and stores it by TMA, waiting for earlier stores only when it needs
+  their buffer again.
+The route weights p are loaded before the K loop, so their latency hides under the MMAs.
+
+`fits` says which launches it takes (2-byte X, weights and outputs; F a multiple of BN; H a
+multiple of BK; 128-row tiles as tall as the route block; 16-byte aligned rows; no bias, no
+clamped SwiGLU, no split tail); fc1_swiglu.py runs its Triton kernel otherwise.
+"""
+
+from __future__ import annotations
+
+from .fp_fusion import FUSED
+from .gluon_hopper import GL_DTYPES, GLUON, descriptor, rows_aligned
+
+if GLUON:
+    from .gluon_hopper import (async_copy, await_gathered_stage, cp_async, fence_async_shared, gl,
+                               gluon, mbarrier, tma, tma_load, tma_store, warpgroup_mma,
+                               warpgroup_mma_wait)
+    from .slot_gemm_ws import _live_blocks, _next_tile, _tile_of
+
+
+# The launch's partitions: the default one (the two consumer warpgroups) and the producer,
+# with the producer's register budget (the consumers get the rest).
+CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 4, 96
+
+# Hopper's shared memory a block (227 KB), less room for the barriers.
+SHARED_BYTES = 227 * 1024 - 1024
+
+
+def stages_that_fit(block_m: int, block_n: int, block_k: int, stages: int) -> int:
+    """The config's stage count, lowered where its stages (an X tile, a gate and an up box)
+    and the two [BM, BN] store buffers would not fit in shared memory (2-byte elements)."""
+    per_stage = (block_m + 2 * block_n) * block_k * 2
+    return max(1, min(stages, (SHARED_BYTES - 2 * block_m * block_n * 2) // per_stage))
+
+
+if GLUON:
+
+    @gluon.jit
+    def _producer(x_ptr, stride_x, w_desc, slot_token_ptr, block_expert_ptr, x_bufs, wg_bufs,
+                  wu_bufs, ready_w, ready_x, empty, num_blocks, tiles_n, num_tokens, ffn,
+                  hidden, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  GROUP_M: gl.constexpr):
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        TPW_K: gl.constexpr = BLOCK_K // 8 if BLOCK_K // 8 < 32 else 32
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K],
+                                                [gl.num_warps(), 1], [1, 0])
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+        w_bytes: gl.constexpr = 2 * w_desc.block_type.nbytes
+        num_tiles = num_blocks * tiles_n
+        tile = gl.program_id(0)
+        pid_m, pid_n, expert = _tile_of(tile, num_blocks, tiles_n, block_expert_ptr, GROUP_M)
+        tok_next = gl.load(slot_token_ptr + pid_m * BLOCK_M + offs_m, mask=tile < num_tiles,
+                           other=num_tokens)
+        it = 0
+        while tile < num_tiles:
+            tok = tok_next
+            # The next tile's expert and token ids, read while this tile's steps are issued.
+            nxt, n_pid_m, n_pid_n, n_expert = _next_tile(tile, num_tiles, num_blocks, tiles_n,
+                                                         block_expert_ptr, GROUP_M)
+            tok_next = gl.load(slot_token_ptr + n_pid_m * BLOCK_M + offs_m,
+                               mask=nxt < num_tiles, other=num_tokens)
+            if expert >= 0:
+                x_ptrs = x_ptr + tok.to(gl.int64)[:, None] * stride_x + offs_k[None, :]
+                x_mask = (tok < num_tokens)[:, None] & (offs_k < BLOCK_K)[None, :]
+                w_row = expert * 2 * ffn + pid_n * BLOCK_N  # w as [E * 2F, H]
+                for k0 in range(0, hidden, BLOCK_K):
+                    stage = it % STAGES
+                    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                    bar = ready_w.index(stage)
+                    mbarrier.expect(bar, w_bytes)
+                    tma_load(w_desc, [w_row, k0], bar, wg_bufs.index(stage))
+                    tma_load(w_desc, [w_row + ffn, k0], bar, wu_bufs.index(stage))
+                    cp_async(x_bufs.index(stage), x_ptrs + k0, mask=x_mask)
+                    async_copy.mbarrier_arrive(ready_x.index(stage), increment_count=False)
+                    it += 1
+            tile = nxt
+            pid_m = n_pid_m
+            pid_n = n_pid_n
+            expert = n_expert
+
+    @gluon.jit
+    def _consumer(y1_desc, act_desc, weights_ptr, slot_route_ptr, block_expert_ptr, x_bufs,
+                  wg_bufs, wu_bufs, ready_w, ready_x, empty, out_bufs, num_blocks, tiles_n,
+                  num_routes, ffn, hidden, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        dtype: gl.constexpr = y1_desc.dtype
+        num_tiles = num_blocks * tiles_n
+        tile = gl.program_id(0)
+        pid_m, pid_n, expert = _tile_of(tile, num_blocks, tiles_n, block_expert_ptr, GROUP_M)
+        it = 0
+        while tile < num_tiles:
+            nxt, n_pid_m, n_pid_n, n_expert = _next_tile(tile, num_tiles, num_blocks, tiles_n,
+                                                         block_expert_ptr, GROUP_M)
+            if expert >= 0:
+                route = gl.load(slot_route_ptr + pid_m * BLOCK_M + offs_m)
+                p = gl.load(weights_ptr + route, mask=route < num_routes, other=0.0)
+                acc_g = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+                acc_u = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+                prev = 0
+                for k0 in range(0, hidden, BLOCK_K):
+                    stage = it % STAGES
+                    phase = (it // STAGES) & 1
+                    await_gathered_stage(ready_w, ready_x, stage, phase)
+                    a = x_bufs.index(stage)
+                    acc_g = warpgroup_mma(a, wg_bufs.index(stage).permute((1, 0)), acc_g,
+                                          is_async=True)
+                    acc_u = warpgroup_mma(a, wu_bufs.index(stage).permute((1, 0)), acc_u,
+                                          is_async=True)
+                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=[acc_g, acc_u])
+                    # The wgmmas before these have read their stage: hand it back.
+                    mbarrier.arrive(empty.index(prev), pred=k0 > 0)
+                    prev = stage
+                    it += 1
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=[acc_g, acc_u])
+                mbarrier.arrive(empty.index(prev))
+                # Round g and u first: backward recomputes A from the stored Y1.
+                g = acc_g.to(dtype)
+                u = acc_u.to(dtype)
+                row = pid_m * BLOCK_M
+                col = pid_n * BLOCK_N
+                tma.store_wait(0)  # the last tile's stores have left both buffers
+                out_bufs.index(0).store(g)
+                out_bufs.index(1).store(u)
+                fence_async_shared()
+                tma_store(y1_desc, [row, col], out_bufs.index(0))
+                tma_store(y1_desc, [row, ffn + col], out_bufs.index(1))
+                # gated_act.swiglu_forward, in its order of operations
+                g32 = g.to(gl.float32)
+                act = g32 / (1.0 + gl.exp(-g32)) * u.to(gl.float32) \
+                    * p.to(gl.float32)[:, None]
+                tma.store_wait(1)  # g's store has read buffer 0
+                out_bufs.index(0).store(act.to(dtype))
+                fence_async_shared()
+                tma_store(act_desc, [row, col], out_bufs.index(0))
+            tile = nxt
+            pid_m = n_pid_m
+            pid_n = n_pid_n
+            expert = n_expert
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _fc1_swiglu_ws_kernel(x_ptr, w_desc, y1_desc, act_desc, weights_ptr, slot_token_ptr,
+                              slot_route_ptr, block_expert_ptr, expert_start_ptr,
+                              expert_count_ptr, num_experts, num_blocks, num_tokens,
+                              num_routes, ffn, hidden, stride_x, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                              PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                              num_warps: gl.constexpr):
+        dtype: gl.constexpr = w_desc.dtype
+        x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+        x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
+        wg_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape,
+                                            w_desc.layout)
+        wu_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape,
+                                            w_desc.layout)
+        out_bufs = gl.allocate_shared_memory(dtype, [2] + y1_desc.block_type.shape,
+                                             y1_desc.layout)
+        ready_w = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_x = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_w.index(i), count=1)
+            # every producer thread arrives once its own cp.async copies have landed
+            mbarrier.init(ready_x.index(i), count=PRODUCER_WARPS * 32)
+            mbarrier.init(empty.index(i), count=1)
+        live = _live_blocks(expert_start_ptr, expert_count_ptr, num_experts, num_blocks,
+                            BLOCK_M)
+        tiles_n = ffn // BLOCK_N
+        gl.warp_specialize([
+            (_consumer, (y1_desc, act_desc, weights_ptr, slot_route_ptr, block_expert_ptr,
+                         x_bufs, wg_bufs, wu_bufs, ready_w, ready_x, empty, out_bufs, live,
+                         tiles_n, num_routes, ffn, hidden, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                         num_warps)),
+            (_producer, (x_ptr, stride_x, w_desc, slot_token_ptr, block_expert_ptr, x_bufs,
+                         wg_bufs, wu_bufs, ready_w, ready_x, empty, live, tiles_n, num_tokens,
+                         ffn, hidden, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+def fits(x_TH, w_gate_up_EFH, y1_out, act_out, block_m: int, block_n: int, block_k: int,
+         route_block: int) -> bool:
+    """Whether this kernel takes the launch: X, w_gate_up, Y1 and A of one 2-byte dtype; F a
+    multiple of BN (a box never crosses gate into up) and H of BK; 128-row tiles (a
+    warpgroup's 64 rows each) as tall as the route block; w contiguous; unit column strides
+    and 16-byte aligned rows and starts (cp.async's 16-byte copies, TMA)."""
+    dtype = y1_out.dtype
+    if dtype not in GL_DTYPES or any(t.dtype != dtype for t in (x_TH, w_gate_up_EFH, act_out)):
+        return False
+    hidden = x_TH.shape[1]
+    ffn = w_gate_up_EFH.shape[1] // 2
+    if block_m != 128 or route_block != block_m or block_n > 256:
+        return False
+    if ffn % block_n or hidden % block_k or not w_gate_up_EFH.is_contiguous():
+        return False
+    return rows_aligned(x_TH, y1_out, act_out, w_gate_up_EFH.view(-1, hidden))
+
+
+def fc1_swiglu_ws(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, block_m: int,
+                  block_n: int, block_k: int, group_m: int, stages: int,
+                  num_programs: int) -> int:
+    """Fill y1_out and act_out's rows of live slot blocks with fc1_swiglu's values (see
+    `fits`); returns the grid."""
+    num_tokens, hidden = x_TH.shape
+    num_experts = w_gate_up_EFH.shape[0]
+    ffn = w_gate_up_EFH.shape[1] // 2
+    num_blocks = routes.num_slots // block_m
+    w_desc = descriptor(w_gate_up_EFH.view(-1, hidden), (block_n, block_k))
+    y1_desc = descriptor(y1_out, (block_m, block_n))
+    act_desc = descriptor(act_out, (block_m, block_n))
+    grid = (max(1, min(num_blocks * (ffn // block_n), num_programs)),)
+    _fc1_swiglu_ws_kernel[grid](
+        x_TH, w_desc, y1_desc, act_desc, topk_weights_N, routes.slot_token, routes.slot_route,
+        routes.block_expert, routes.expert_starts, routes.expert_counts, num_experts,
+        num_blocks, num_tokens, topk_weights_N.numel(), ffn, hidden, x_TH.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        STAGES=stages_that_fit(block_m, block_n, block_k, stages),
+        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=CONSUMER_WARPS, enable_fp_fusion=FUSED)
+    return grid[0]
