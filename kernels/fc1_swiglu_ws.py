@@ -11,20 +11,21 @@ before the next tile's first MMA.
 One program an SM runs two partitions over slot_gemm_ws.py's tile sequence (slot blocks x
 F / BN column tiles, GROUP_M blocks at a time, blocks of no expert skipped):
 - a producer (4 warps) that, for every K step, waits for a free stage, issues the gate and
-  up weight boxes by TMA (`ready_w`, bytes expected) and the gathered X rows by cp.async
-  (`ready_x`: each producer thread arrives once its own copies land; padding slots'
-  rows are masked, so cp.async fills them with zeros), the next tile's token ids loaded
-  while this tile's steps are issued;
-- the default partition (8 warps, two warpgroups of 64 rows) that runs a gate wgmma and an
-  up wgmma a stage (the two [BM, BN] dots of the unpaired Triton tile: the same sums, element
-  by element, as its paired [BM, 2 BN] dot), hands the stage back once the next stage's
-  wgmmas are issued, then rounds g and u, stores them by TMA, computes A from them with
-  gated_act.py's formula and stores it by TMA, waiting for earlier stores only when it needs
-  their buffer again.
-The route weights p are loaded before the K loop, so their latency hides under the MMAs.
+  up weight boxes by TMA into the stage's [2 BN, BK] buffer (`ready_w`, bytes expected)
+  and the gathered X rows by cp.async (`ready_x`: each producer thread arrives once its own
+  copies land; padding slots' rows are masked, so cp.async fills them with zeros), the next
+  tile's token ids loaded while this tile's steps are issued;
+- the default partition (8 warps, two warpgroups of 64 rows) that runs one [BM, 2 BN] wgmma a
+  stage over the stage's gate rows and up rows (the Triton kernel's paired dot: the same
+  sums), hands the stage back once the next stage's wgmma is issued, then splits the
+  accumulator into gate and up (a thread holds matching columns of both), rounds them,
+  stores them by TMA, computes A from them with gated_act.py's formula and stores it by TMA,
+  waiting for earlier stores only when it needs their buffer again.
+The next tile's slot routes are read during this tile, its route weights p before the K loop,
+so neither load's latency stalls the MMAs.
 
 `fits` says which launches it takes (2-byte X, weights and outputs; F a multiple of BN; H a
-multiple of BK; 128-row tiles as tall as the route block; 16-byte aligned rows; no bias, no
+multiple of BK; 2 BN <= 256 (one wgmma); 128-row tiles as tall as the route block; 16-byte aligned rows; no bias, no
 clamped SwiGLU, no split tail); fc1_swiglu.py runs its Triton kernel otherwise.
 """
 
@@ -58,8 +59,8 @@ def stages_that_fit(block_m: int, block_n: int, block_k: int, stages: int) -> in
 if GLUON:
 
     @gluon.jit
-    def _producer(x_ptr, stride_x, w_desc, slot_token_ptr, block_expert_ptr, x_bufs, wg_bufs,
-                  wu_bufs, ready_w, ready_x, empty, num_blocks, tiles_n, num_tokens, ffn,
+    def _producer(x_ptr, stride_x, w_desc, slot_token_ptr, block_expert_ptr, x_bufs, w_bufs,
+                  ready_w, ready_x, empty, num_blocks, tiles_n, num_tokens, ffn,
                   hidden, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr):
         STAGES: gl.constexpr = x_bufs.shape[0]
@@ -91,8 +92,9 @@ if GLUON:
                     mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
                     bar = ready_w.index(stage)
                     mbarrier.expect(bar, w_bytes)
-                    tma_load(w_desc, [w_row, k0], bar, wg_bufs.index(stage))
-                    tma_load(w_desc, [w_row + ffn, k0], bar, wu_bufs.index(stage))
+                    w_buf = w_bufs.index(stage)  # [2 BN, BK]: gate rows, then up rows
+                    tma_load(w_desc, [w_row, k0], bar, w_buf.slice(0, BLOCK_N))
+                    tma_load(w_desc, [w_row + ffn, k0], bar, w_buf.slice(BLOCK_N, BLOCK_N))
                     cp_async(x_bufs.index(stage), x_ptrs + k0, mask=x_mask)
                     async_copy.mbarrier_arrive(ready_x.index(stage), increment_count=False)
                     it += 1
@@ -103,44 +105,48 @@ if GLUON:
 
     @gluon.jit
     def _consumer(y1_desc, act_desc, weights_ptr, slot_route_ptr, block_expert_ptr, x_bufs,
-                  wg_bufs, wu_bufs, ready_w, ready_x, empty, out_bufs, num_blocks, tiles_n,
+                  w_bufs, ready_w, ready_x, empty, out_bufs, num_blocks, tiles_n,
                   num_routes, ffn, hidden, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
         STAGES: gl.constexpr = x_bufs.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 2 * BLOCK_N, 16])
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         dtype: gl.constexpr = y1_desc.dtype
         num_tiles = num_blocks * tiles_n
         tile = gl.program_id(0)
         pid_m, pid_n, expert = _tile_of(tile, num_blocks, tiles_n, block_expert_ptr, GROUP_M)
+        route_next = gl.load(slot_route_ptr + pid_m * BLOCK_M + offs_m, mask=tile < num_tiles,
+                             other=num_routes)
         it = 0
         while tile < num_tiles:
+            route = route_next
+            # The next tile's expert and routes, read while this tile's MMAs run.
             nxt, n_pid_m, n_pid_n, n_expert = _next_tile(tile, num_tiles, num_blocks, tiles_n,
                                                          block_expert_ptr, GROUP_M)
+            route_next = gl.load(slot_route_ptr + n_pid_m * BLOCK_M + offs_m,
+                                 mask=nxt < num_tiles, other=num_routes)
             if expert >= 0:
-                route = gl.load(slot_route_ptr + pid_m * BLOCK_M + offs_m)
                 p = gl.load(weights_ptr + route, mask=route < num_routes, other=0.0)
-                acc_g = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
-                acc_u = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+                acc = gl.zeros((BLOCK_M, 2 * BLOCK_N), gl.float32, acc_layout)
                 prev = 0
                 for k0 in range(0, hidden, BLOCK_K):
                     stage = it % STAGES
                     phase = (it // STAGES) & 1
                     await_gathered_stage(ready_w, ready_x, stage, phase)
-                    a = x_bufs.index(stage)
-                    acc_g = warpgroup_mma(a, wg_bufs.index(stage).permute((1, 0)), acc_g,
-                                          is_async=True)
-                    acc_u = warpgroup_mma(a, wu_bufs.index(stage).permute((1, 0)), acc_u,
-                                          is_async=True)
-                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=[acc_g, acc_u])
-                    # The wgmmas before these have read their stage: hand it back.
+                    acc = warpgroup_mma(x_bufs.index(stage), w_bufs.index(stage).permute((1, 0)),
+                                        acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+                    # The wgmma before this one has read its stage: hand it back.
                     mbarrier.arrive(empty.index(prev), pred=k0 > 0)
                     prev = stage
                     it += 1
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=[acc_g, acc_u])
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                 mbarrier.arrive(empty.index(prev))
-                # Round g and u first: backward recomputes A from the stored Y1.
+                # [BM, 2 BN] -> gate, up (a thread holds matching columns of both); round
+                # them first: backward recomputes A from the stored Y1.
+                acc_g, acc_u = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]),
+                                                   [0, 2, 1]))
                 g = acc_g.to(dtype)
                 u = acc_u.to(dtype)
                 row = pid_m * BLOCK_M
@@ -153,8 +159,8 @@ if GLUON:
                 tma_store(y1_desc, [row, ffn + col], out_bufs.index(1))
                 # gated_act.swiglu_forward, in its order of operations
                 g32 = g.to(gl.float32)
-                act = g32 / (1.0 + gl.exp(-g32)) * u.to(gl.float32) \
-                    * p.to(gl.float32)[:, None]
+                p32 = gl.convert_layout(p.to(gl.float32), gl.SliceLayout(1, g32.type.layout))
+                act = g32 / (1.0 + gl.exp(-g32)) * u.to(gl.float32) * p32[:, None]
                 tma.store_wait(1)  # g's store has read buffer 0
                 out_bufs.index(0).store(act.to(dtype))
                 fence_async_shared()
@@ -177,10 +183,7 @@ if GLUON:
         dtype: gl.constexpr = w_desc.dtype
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
-        wg_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape,
-                                            w_desc.layout)
-        wu_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape,
-                                            w_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
         out_bufs = gl.allocate_shared_memory(dtype, [2] + y1_desc.block_type.shape,
                                              y1_desc.layout)
         ready_w = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -196,11 +199,11 @@ if GLUON:
         tiles_n = ffn // BLOCK_N
         gl.warp_specialize([
             (_consumer, (y1_desc, act_desc, weights_ptr, slot_route_ptr, block_expert_ptr,
-                         x_bufs, wg_bufs, wu_bufs, ready_w, ready_x, empty, out_bufs, live,
+                         x_bufs, w_bufs, ready_w, ready_x, empty, out_bufs, live,
                          tiles_n, num_routes, ffn, hidden, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                          num_warps)),
             (_producer, (x_ptr, stride_x, w_desc, slot_token_ptr, block_expert_ptr, x_bufs,
-                         wg_bufs, wu_bufs, ready_w, ready_x, empty, live, tiles_n, num_tokens,
+                         w_bufs, ready_w, ready_x, empty, live, tiles_n, num_tokens,
                          ffn, hidden, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
@@ -208,15 +211,16 @@ if GLUON:
 def fits(x_TH, w_gate_up_EFH, y1_out, act_out, block_m: int, block_n: int, block_k: int,
          route_block: int) -> bool:
     """Whether this kernel takes the launch: X, w_gate_up, Y1 and A of one 2-byte dtype; F a
-    multiple of BN (a box never crosses gate into up) and H of BK; 128-row tiles (a
-    warpgroup's 64 rows each) as tall as the route block; w contiguous; unit column strides
-    and 16-byte aligned rows and starts (cp.async's 16-byte copies, TMA)."""
+    multiple of BN (a box never crosses gate into up) and H of BK; 2 BN <= 256 (the gate and
+    up columns of one wgmma); 128-row tiles (a warpgroup's 64 rows each) as tall as the
+    route block; w contiguous; unit column strides and 16-byte aligned rows and starts
+    (cp.async's 16-byte copies, TMA)."""
     dtype = y1_out.dtype
     if dtype not in GL_DTYPES or any(t.dtype != dtype for t in (x_TH, w_gate_up_EFH, act_out)):
         return False
     hidden = x_TH.shape[1]
     ffn = w_gate_up_EFH.shape[1] // 2
-    if block_m != 128 or route_block != block_m or block_n > 256:
+    if block_m != 128 or route_block != block_m or block_n > 128:
         return False
     if ffn % block_n or hidden % block_k or not w_gate_up_EFH.is_contiguous():
         return False

@@ -102,6 +102,7 @@ def test_the_warp_specialized_fc1_takes_only_the_launches_it_fits():
     y1, act = torch.zeros(256, 512, dtype=bf), torch.zeros(256, 256, dtype=bf)
     assert ws.fits(x, w, y1, act, 128, 128, 64, 128)
     assert not ws.fits(x, w, y1, act, 64, 128, 64, 64)  # 64-row tiles
+    assert not ws.fits(x, w, y1, act, 128, 256, 64, 128)  # 2 BN past one wgmma's 256
     assert not ws.fits(x, w, y1, act, 128, 128, 64, 256)  # tile shorter than the block
     assert not ws.fits(x, torch.zeros(4, 384, 512, dtype=bf), torch.zeros(256, 384, dtype=bf),
                        torch.zeros(256, 192, dtype=bf), 128, 128, 64, 128)  # F = 192
