@@ -82,6 +82,8 @@ def _ws_source(module, fn, cfg, consts: dict, types: dict):
     """(ASTSource, the config it runs) of a warp-specialized Gluon kernel of `module` (its
     partitions' constants, the stages that fit) under cfg."""
     stages = module.stages_that_fit(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages)
+    if isinstance(stages, tuple):  # (stages, store buffers)
+        stages, consts = stages[0], dict(consts, NUM_OUT=stages[1])
     consts = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   GROUP_M=cfg.group_m, STAGES=stages, PRODUCER_WARPS=module.PRODUCER_WARPS,
                   PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.CONSUMER_WARPS)

@@ -49,11 +49,16 @@ CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 4, 96
 SHARED_BYTES = 227 * 1024 - 1024
 
 
-def stages_that_fit(block_m: int, block_n: int, block_k: int, stages: int) -> int:
-    """The config's stage count, lowered where its stages (an X tile, a gate and an up box)
-    and the two [BM, BN] store buffers would not fit in shared memory (2-byte elements)."""
+def stages_that_fit(block_m: int, block_n: int, block_k: int, stages: int) -> tuple[int, int]:
+    """(stages, store buffers): the config's stages (an X tile and a [2 BN, BK] gate/up box
+    each) beside two [BM, BN] store buffers; where those do not fit, beside one, if that
+    keeps more of them; else as many as fit beside two (2-byte elements)."""
     per_stage = (block_m + 2 * block_n) * block_k * 2
-    return max(1, min(stages, (SHARED_BYTES - 2 * block_m * block_n * 2) // per_stage))
+    out = block_m * block_n * 2
+    two, one = ((SHARED_BYTES - n * out) // per_stage for n in (2, 1))
+    if stages <= two:
+        return stages, 2
+    return (min(stages, one), 1) if one > two else (max(1, two), 2)
 
 
 if GLUON:
@@ -151,17 +156,23 @@ if GLUON:
                 u = acc_u.to(dtype)
                 row = pid_m * BLOCK_M
                 col = pid_n * BLOCK_N
-                tma.store_wait(0)  # the last tile's stores have left both buffers
+                # g, u and A leave through the store buffers in turn; a buffer is written
+                # again once the store before has read it (store_wait).
+                NUM_OUT: gl.constexpr = out_bufs.shape[0]
+                tma.store_wait(0)  # the last tile's stores have left the buffers
                 out_bufs.index(0).store(g)
-                out_bufs.index(1).store(u)
                 fence_async_shared()
                 tma_store(y1_desc, [row, col], out_bufs.index(0))
-                tma_store(y1_desc, [row, ffn + col], out_bufs.index(1))
+                if NUM_OUT == 1:
+                    tma.store_wait(0)
+                out_bufs.index(NUM_OUT - 1).store(u)
+                fence_async_shared()
+                tma_store(y1_desc, [row, ffn + col], out_bufs.index(NUM_OUT - 1))
                 # gated_act.swiglu_forward, in its order of operations
                 g32 = g.to(gl.float32)
                 p32 = gl.convert_layout(p.to(gl.float32), gl.SliceLayout(1, g32.type.layout))
                 act = g32 / (1.0 + gl.exp(-g32)) * u.to(gl.float32) * p32[:, None]
-                tma.store_wait(1)  # g's store has read buffer 0
+                tma.store_wait(NUM_OUT - 1)  # g's store has read buffer 0
                 out_bufs.index(0).store(act.to(dtype))
                 fence_async_shared()
                 tma_store(act_desc, [row, col], out_bufs.index(0))
@@ -178,13 +189,13 @@ if GLUON:
                               num_routes, ffn, hidden, stride_x, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                              PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                              NUM_OUT: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                               num_warps: gl.constexpr):
         dtype: gl.constexpr = w_desc.dtype
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
-        out_bufs = gl.allocate_shared_memory(dtype, [2] + y1_desc.block_type.shape,
+        out_bufs = gl.allocate_shared_memory(dtype, [NUM_OUT] + y1_desc.block_type.shape,
                                              y1_desc.layout)
         ready_w = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_x = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -240,12 +251,13 @@ def fc1_swiglu_ws(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, 
     y1_desc = descriptor(y1_out, (block_m, block_n))
     act_desc = descriptor(act_out, (block_m, block_n))
     grid = (max(1, min(num_blocks * (ffn // block_n), num_programs)),)
+    stages, num_out = stages_that_fit(block_m, block_n, block_k, stages)
     _fc1_swiglu_ws_kernel[grid](
         x_TH, w_desc, y1_desc, act_desc, topk_weights_N, routes.slot_token, routes.slot_route,
         routes.block_expert, routes.expert_starts, routes.expert_counts, num_experts,
         num_blocks, num_tokens, topk_weights_N.numel(), ffn, hidden, x_TH.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        STAGES=stages_that_fit(block_m, block_n, block_k, stages),
+        STAGES=stages, NUM_OUT=num_out,
         PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, enable_fp_fusion=FUSED)
     return grid[0]

@@ -25,8 +25,9 @@ from moegraph_kernels.fc1_swiglu import fc1_swiglu
 from moegraph_kernels.gemm_config import GemmConfig
 
 # The product's FC1 tile at 128-row blocks (moe/experts.tile_configs): the Gluon kernel runs
-# it at the 3 stages that fit beside its two store buffers, the same K order.
+# it at 4 stages beside one store buffer (3 beside two: TILE_S3), the same K order.
 TILE = GemmConfig(128, 128, 64, 4, 8, 4, tma=True, persistent=True, paired=True)
+TILE_S3 = TILE._replace(num_stages=3)
 
 
 def _problem(case, device="cuda", dtype=torch.bfloat16, block=128):
@@ -55,9 +56,14 @@ def test_cuda_warp_specialized_fc1_is_bitwise_the_triton_kernel(case):
     live = _live_rows(routes)
     padding = live & (routes.slot_token >= problem[0].shape[0])
     want, _ = _run(problem, TILE)
-    got, plan = _run(problem, TILE._replace(warp_specialize=True))
-    torch.cuda.synchronize()
-    assert plan.warp_specialize and not plan.fallback, plan
+    for tile in (TILE, TILE_S3):  # one store buffer, then two
+        got, plan = _run(problem, tile._replace(warp_specialize=True))
+        torch.cuda.synchronize()
+        assert plan.warp_specialize and not plan.fallback, plan
+        _check(got, want, live, padding)
+
+
+def _check(got, want, live, padding):
     for name, g, w in zip(("Y1", "A"), got, want):
         assert torch.isfinite(g[live]).all(), name
         assert torch.isnan(g[~live]).all(), name
@@ -115,12 +121,16 @@ def test_the_warp_specialized_fc1_takes_only_the_launches_it_fits():
 
 
 def test_the_stage_count_fits_shared_memory():
-    # 128 x (2 x 128) x 64: 48 KB a stage beside two 32 KB store buffers -> 3 of a config's 4.
-    assert ws.stages_that_fit(128, 128, 64, 4) == 3
-    assert ws.stages_that_fit(128, 64, 64, 4) == 4
+    # 128 x (2 x 128) x 64: 48 KB a stage; 3 beside two 32 KB store buffers, 4 beside one.
+    assert ws.stages_that_fit(128, 128, 64, 3) == (3, 2)
+    assert ws.stages_that_fit(128, 128, 64, 4) == (4, 1)
+    assert ws.stages_that_fit(128, 128, 64, 6) == (4, 1)
+    assert ws.stages_that_fit(128, 64, 64, 4) == (4, 2)
     for bm, bn, bk in ((128, 128, 64), (128, 64, 64), (128, 128, 128)):
-        s = ws.stages_that_fit(bm, bn, bk, 8)
-        assert (bm + 2 * bn) * bk * 2 * s + 2 * bm * bn * 2 <= ws.SHARED_BYTES
+        for want in range(1, 9):
+            s, n = ws.stages_that_fit(bm, bn, bk, want)
+            assert 1 <= s <= want and n in (1, 2)
+            assert (bm + 2 * bn) * bk * 2 * s + n * bm * bn * 2 <= ws.SHARED_BYTES
 
 
 CPU_CASE = ("zipf", 64, 4, 7, 64, 32, None)
