@@ -44,11 +44,10 @@ def test_every_product_expert_kernel_compiles_for_hopper():
         assert "error" not in doc and 0 < doc["registers"] <= 255, doc
         assert doc["spill_store_bytes"] >= 0 and doc["shared_bytes"] > 0, doc
     # The variants the product picks at 128-row blocks, each seen in what was lowered.
-    # FC1 at 128-row blocks: the warp-specialized Gluon kernel (a [2 BN, BK] gate/up buffer a
-    # stage, 4 stages beside one [BM, BN] store buffer); at 64-row blocks the Triton kernel's
-    # [2, BN, BK] gate/up box.
-    assert by["fc1", 8192]["variant"] == "tma+persistent+ws+pair"
-    assert "1x128x128 bf16" in by["fc1", 8192]["buffers"], by["fc1", 8192]  # 4 stages
+    # FC1 at 128-row blocks: the Triton kernel's [2, BN, BK] gate/up box (the warp-specialized
+    # Gluon kernel only under MOEGRAPH_FC1_WS=1: test_the_gluon_fc1_compiles_for_hopper).
+    assert by["fc1", 8192]["variant"] == "tma+persistent+pair"
+    assert "4x2x128x64 bf16" in by["fc1", 8192]["buffers"], by["fc1", 8192]
     assert by["fc1", 1024]["variant"] == "tma+pair"
     assert "5x2x128x32 bf16" in by["fc1", 1024]["buffers"], by["fc1", 1024]
     assert by["dact", 8192]["variant"] == "pair" and by["dact", 8192]["tile"][:3] == [128, 128, 64]
@@ -65,6 +64,18 @@ def test_every_product_expert_kernel_compiles_for_hopper():
     # The product's launch keywords name the contraction (kernels/fp_fusion.py): Triton 3.9
     # warns of an unset one, and these compiles go through those keywords.
     assert "FP_FUSION" not in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no NVIDIA backend / ptxas")
+def test_the_gluon_fc1_compiles_for_hopper():
+    """The opt-in warp-specialized FC1 (fc1_swiglu_ws.py) at the product's 128-row tile: 4
+    stages of a [2 BN, BK] gate/up buffer beside one [BM, BN] store buffer, no spill."""
+    out = _run("fc1", "--tokens", "8192", "--spec", "+keep+ws", "--json")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in doc and doc["variant"] == "tma+persistent+ws+pair", doc
+    assert doc["spill_store_bytes"] == 0 and doc["tile"][5] == 4, doc
+    assert "4x256x64 bf16" in doc["buffers"] and "1x128x128 bf16" in doc["buffers"], doc
 
 
 @pytest.mark.parametrize("args,message", [
