@@ -92,8 +92,11 @@ WARP_SPECIALIZE_ENABLED = False
 
 # FC2 and dX at 128-row blocks ask for the warp-specialized Gluon kernel of slot_gemm_ws.py
 # (`GemmConfig.warp_specialize`, which slot_gemm reads as that kernel's switch: taken on a
-# Hopper GPU where the launch fits, the Triton kernel otherwise; the same sums).
-# MOEGRAPH_SLOT_GEMM_WS=0 keeps the Triton kernel.
+# Hopper GPU where the launch fits, the Triton kernel otherwise; the same sums). H100
+# (benchmarks/kernel_sweep.py, Qwen3 shape, uniform / skewed, results/kernel_sweep_slot_ws_h100
+# .json), ms against the persistent TMA Triton kernel: FC2 0.425 / 0.440 -> 0.407 / 0.404 at
+# T = 8192, 1.569 / 1.560 -> 1.354 / 1.361 at 32768; dX 0.798 / 0.765 -> 0.769 / 0.760 and
+# 2.691 / 2.703 -> 2.512 / 2.538. MOEGRAPH_SLOT_GEMM_WS=0 keeps the Triton kernel.
 SLOT_GEMM_WS = flag_from_env("MOEGRAPH_SLOT_GEMM_WS", True)
 
 # MOEGRAPH_FC1_WS=1: FC1 at 128-row blocks asks for the warp-specialized Gluon kernel of
