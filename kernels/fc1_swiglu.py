@@ -188,16 +188,12 @@ def _warp_specialized(x_TH, w_gate_up_EFH, topk_weights_N, routes: RouteList, y1
             and fc1_swiglu_ws.fits(x_TH, w_gate_up_EFH, y1_out, act_out, cfg.block_m,
                                    cfg.block_n, cfg.block_k, routes.block_m)):
         return False
-    grid = []
-    ran = gl.gluon_launch("fc1", (cfg, x_TH.dtype, x_TH.shape[1], w_gate_up_EFH.shape[1]),
-                          lambda: grid.append(fc1_swiglu_ws.fc1_swiglu_ws(
-                              x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out,
-                              cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
-                              cfg.num_stages, tma.num_programs(x_TH.device))))
-    if ran:
-        gl.LAST_PLAN["fc1"] = gl.Plan(tma=True, persistent=True, flatten=False,
-                                      warp_specialize=True, grid=grid[0], store_tma=True)
-    return ran
+    return gl.gluon_launch("fc1", (cfg, x_TH.dtype, x_TH.shape[1], w_gate_up_EFH.shape[1]),
+                           lambda: fc1_swiglu_ws.fc1_swiglu_ws(
+                               x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out,
+                               cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
+                               cfg.num_stages, tma.num_programs(x_TH.device)),
+                           record={"store_tma": True})
 
 
 def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cfg,

@@ -160,16 +160,18 @@ def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
 
 
-def gluon_launch(name: str, key: tuple, launch) -> bool:
-    """launch() of a warp-specialized Gluon kernel (wgrad_ws.py), and True; False where it
-    failed before for this key, or fails now (a compile failure on this GPU or Triton: warned
-    once, remembered with the failed variants, and the caller runs its Triton kernel
-    instead). With FALLBACK_ON_ERROR off the failure is raised."""
+def gluon_launch(name: str, key: tuple, launch, record: dict | None = None) -> bool:
+    """launch() of a warp-specialized Gluon kernel (wgrad_ws.py, slot_gemm_ws.py,
+    fc1_swiglu_ws.py), and True; False where it failed before for this key, or fails now (a
+    compile failure on this GPU or Triton: warned once, remembered with the failed variants,
+    and the caller runs its Triton kernel instead). With FALLBACK_ON_ERROR off the failure is
+    raised. `record`: LAST_PLAN[name] becomes the persistent, TMA, warp-specialized Plan of
+    the grid launch() returns, with these further fields."""
     key = ("gluon", name, key)
     if key in _FAILED_VARIANTS:
         return False
     try:
-        launch()
+        grid = launch()
     except Exception as exc:  # see above
         if not FALLBACK_ON_ERROR:
             raise
@@ -177,4 +179,7 @@ def gluon_launch(name: str, key: tuple, launch) -> bool:
         warnings.warn(f"{name}: the warp-specialized kernel failed ({_FAILED_VARIANTS[key]}); "
                       "using the Triton kernel", RuntimeWarning)
         return False
+    if record is not None:
+        LAST_PLAN[name] = Plan(tma=True, persistent=True, flatten=False, warp_specialize=True,
+                               grid=grid, **record)
     return True

@@ -170,18 +170,13 @@ def _warp_specialized(a_SK, w_E, routes: RouteList, out, w_nk: bool, cfg: GemmCo
             and slot_gemm_ws.fits(a_SK, w_E, out, w_nk, cfg.block_m, cfg.block_n,
                                   cfg.block_k, routes.block_m)):
         return False
-    name = "fc2" if w_nk else "dx"
-    grid = []
-    ran = gl.gluon_launch(name, (cfg, a_SK.dtype, a_SK.shape[1], out.shape[1]),
-                          lambda: grid.append(slot_gemm_ws.slot_gemm_ws(
-                              a_SK, w_E, routes.block_expert, routes.expert_starts,
-                              routes.expert_counts, out, w_nk, cfg.block_m, cfg.block_n,
-                              cfg.block_k, cfg.group_m, cfg.num_stages,
-                              tma.num_programs(a_SK.device))))
-    if ran:
-        gl.LAST_PLAN[name] = gl.Plan(tma=True, persistent=True, flatten=False,
-                                     warp_specialize=True, grid=grid[0])
-    return ran
+    return gl.gluon_launch("fc2" if w_nk else "dx",
+                           (cfg, a_SK.dtype, a_SK.shape[1], out.shape[1]),
+                           lambda: slot_gemm_ws.slot_gemm_ws(
+                               a_SK, w_E, routes.block_expert, routes.expert_starts,
+                               routes.expert_counts, out, w_nk, cfg.block_m, cfg.block_n,
+                               cfg.block_k, cfg.group_m, cfg.num_stages,
+                               tma.num_programs(a_SK.device)), record={})
 
 
 def _slot_gemm(a_SK, w_E, routes, out, w_nk, cfg, bias_EN=None, topk_weights_N=None):
