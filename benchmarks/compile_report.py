@@ -79,17 +79,13 @@ def fc1_ws_source(cfg):
 
 
 def _ws_source(module, fn, cfg, consts: dict, types: dict):
-    """(ASTSource, the config it runs) of a warp-specialized Gluon kernel of `module` (its
-    partitions' constants, the stages that fit) under cfg."""
-    stages = module.stages_that_fit(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages)
-    if isinstance(stages, tuple):  # (stages, store buffers)
-        stages, consts = stages[0], dict(consts, NUM_OUT=stages[1])
-    consts = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  GROUP_M=cfg.group_m, STAGES=stages, PRODUCER_WARPS=module.PRODUCER_WARPS,
-                  PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.CONSUMER_WARPS)
+    """(ASTSource, the config it runs) of a warp-specialized Gluon kernel of `module` under
+    cfg, with the constexprs its launch passes (module.launch_constants)."""
+    consts = dict(consts, **module.launch_constants(cfg.block_m, cfg.block_n, cfg.block_k,
+                                                     cfg.group_m, cfg.num_stages))
     return (_source(fn, consts, types, odd=("num_experts", "num_blocks", "num_tokens",
                                             "num_routes")),
-            cfg._replace(num_warps=module.CONSUMER_WARPS, num_stages=stages))
+            cfg._replace(num_warps=consts["num_warps"], num_stages=consts["STAGES"]))
 
 
 def slot_gemm_source(cfg, route_block: int, w_nk: bool):

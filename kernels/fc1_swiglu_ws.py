@@ -25,8 +25,9 @@ The next tile's slot routes are read during this tile, its route weights p befor
 so neither load's latency stalls the MMAs.
 
 `fits` says which launches it takes (2-byte X, weights and outputs; F a multiple of BN; H a
-multiple of BK; 2 BN <= 256 (one wgmma); 128-row tiles as tall as the route block; 16-byte aligned rows; no bias, no
-clamped SwiGLU, no split tail); fc1_swiglu.py runs its Triton kernel otherwise.
+multiple of BK; 2 BN <= 256 (one wgmma); 128-row tiles as tall as the route block; 16-byte
+aligned rows; no bias, no clamped SwiGLU, no split tail); fc1_swiglu.py runs its Triton
+kernel otherwise.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ def stages_that_fit(block_m: int, block_n: int, block_k: int, stages: int) -> tu
     if stages <= two:
         return stages, 2
     return (min(stages, one), 1) if one > two else (max(1, two), 2)
+
+
+def launch_constants(block_m: int, block_n: int, block_k: int, group_m: int,
+                     stages: int) -> dict:
+    """The kernel's tile, stage, store-buffer and partition constexprs for a config (what the
+    launch passes, and benchmarks/compile_report.py lowers)."""
+    stages, num_out = stages_that_fit(block_m, block_n, block_k, stages)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+                STAGES=stages, NUM_OUT=num_out, PRODUCER_WARPS=PRODUCER_WARPS,
+                PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS)
 
 
 if GLUON:
@@ -189,8 +200,8 @@ if GLUON:
                               num_routes, ffn, hidden, stride_x, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                              NUM_OUT: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              NUM_OUT: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = w_desc.dtype
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
@@ -251,13 +262,9 @@ def fc1_swiglu_ws(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, 
     y1_desc = descriptor(y1_out, (block_m, block_n))
     act_desc = descriptor(act_out, (block_m, block_n))
     grid = (max(1, min(num_blocks * (ffn // block_n), num_programs)),)
-    stages, num_out = stages_that_fit(block_m, block_n, block_k, stages)
     _fc1_swiglu_ws_kernel[grid](
         x_TH, w_desc, y1_desc, act_desc, topk_weights_N, routes.slot_token, routes.slot_route,
         routes.block_expert, routes.expert_starts, routes.expert_counts, num_experts,
         num_blocks, num_tokens, topk_weights_N.numel(), ffn, hidden, x_TH.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        STAGES=stages, NUM_OUT=num_out,
-        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=CONSUMER_WARPS, enable_fp_fusion=FUSED)
+        **launch_constants(block_m, block_n, block_k, group_m, stages), enable_fp_fusion=FUSED)
     return grid[0]

@@ -51,6 +51,16 @@ def stages_that_fit(block_m: int, block_n: int, block_k: int, stages: int) -> in
     return max(1, min(stages, (SHARED_BYTES - block_m * block_n * 2) // per_stage))
 
 
+def launch_constants(block_m: int, block_n: int, block_k: int, group_m: int,
+                     stages: int) -> dict:
+    """The kernel's tile, stage and partition constexprs for a config (what the launch passes,
+    and benchmarks/compile_report.py lowers)."""
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+                STAGES=stages_that_fit(block_m, block_n, block_k, stages),
+                PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+                num_warps=CONSUMER_WARPS)
+
+
 if GLUON:
 
     @gluon.jit
@@ -217,8 +227,6 @@ def slot_gemm_ws(a_SK, w_E, block_expert, expert_starts, expert_counts, out, w_n
     grid = (max(1, min(num_blocks * (n // block_n), num_programs)),)
     _slot_gemm_ws_kernel[grid](
         a_desc, w_desc, c_desc, block_expert, expert_starts, expert_counts, num_experts,
-        num_blocks, n, k_dim, W_NK=w_nk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=group_m,
-        STAGES=stages_that_fit(block_m, block_n, block_k, stages), PRODUCER_WARPS=PRODUCER_WARPS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS, enable_fp_fusion=FUSED)
+        num_blocks, n, k_dim, W_NK=w_nk,
+        **launch_constants(block_m, block_n, block_k, group_m, stages), enable_fp_fusion=FUSED)
     return grid[0]

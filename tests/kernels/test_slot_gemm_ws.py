@@ -194,3 +194,40 @@ def test_slot_gemm_takes_the_warp_specialized_kernel_where_asked(fails, monkeypa
         assert plan.grid == 3 or fails, plan
         live = _live_rows(problem[-1])
         assert torch.equal(g[live], w[live])
+
+
+class _Recorder:
+    """Stands in for a Gluon kernel: kernel[grid](*args, **kwargs) records the call."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+@pytest.mark.skipif(not gluon_hopper.GLUON, reason="needs Gluon")
+def test_the_launchers_pass_every_kernel_argument(monkeypatch):
+    """On the CPU, with the kernels recorded instead of launched: slot_gemm_ws and
+    fc1_swiglu_ws name every argument of their kernel once, the constexprs as
+    `launch_constants` gives them (what compile_report.py lowers)."""
+    import moegraph_kernels.fc1_swiglu_ws as fc1_ws
+    act, dy1, w_gate_up, w_down, routes = _problem(SHAPES[2], "cpu")
+    S, H, F = routes.num_slots, w_down.shape[1], w_down.shape[2]
+    for module, name, call in (
+            (ws, "_slot_gemm_ws_kernel", lambda: ws.slot_gemm_ws(
+                act, w_down, routes.block_expert, routes.expert_starts, routes.expert_counts,
+                torch.empty(S, H, dtype=act.dtype), True, 128, 256, 64, 8, 4, 132)),
+            (fc1_ws, "_fc1_swiglu_ws_kernel", lambda: fc1_ws.fc1_swiglu_ws(
+                torch.zeros(640, H, dtype=act.dtype), w_gate_up, torch.ones(640, dtype=act.dtype),
+                routes, torch.empty(S, 2 * F, dtype=act.dtype), torch.empty(S, F, dtype=act.dtype),
+                128, 128, 64, 4, 4, 132))):
+        rec = _Recorder(getattr(module, name))
+        monkeypatch.setattr(module, name, rec)
+        call()
+        (_, args, kwargs), = rec.calls
+        kwargs.pop("enable_fp_fusion")
+        assert len(args) + len(kwargs) == len(rec.fn.arg_names), name
+        assert set(kwargs) == set(rec.fn.arg_names[len(args):]), (name, sorted(kwargs))
+        cfg = (128, 256, 64, 8, 4) if module is ws else (128, 128, 64, 4, 4)
+        assert kwargs.items() >= module.launch_constants(*cfg).items()
