@@ -42,34 +42,33 @@ if GLUON:
     from .slot_gemm_ws import _live_blocks, _next_tile, _tile_of
 
 
-# The launch's partitions: the default one (the two consumer warpgroups) and the producer,
-# with the producer's register budget (the consumers get the rest).
-CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 4, 96
+# The launch's partitions: the default one (the two MMA warpgroups), the producer and the
+# epilogue, with the workers' register budgets (the MMA warpgroups get the rest).
+# Twelve warps in all: ptxas holds every partition to 65536 / (32 * 12) = 168 registers a
+# thread, the least the [BM, 2 BN] accumulator's wgmma takes (16 warps: 128, too few).
+CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 2, 96
+EPILOGUE_WARPS, EPILOGUE_REGS = 2, 96
 
 # Hopper's shared memory a block (227 KB), less room for the barriers.
 SHARED_BYTES = 227 * 1024 - 1024
 
 
-def stages_that_fit(block_m: int, block_n: int, block_k: int, stages: int) -> tuple[int, int]:
-    """(stages, store buffers): the config's stages (an X tile and a [2 BN, BK] gate/up box
-    each) beside two [BM, BN] store buffers; where those do not fit, beside one, if that
-    keeps more of them; else as many as fit beside two (2-byte elements)."""
+def stages_that_fit(block_m: int, block_n: int, block_k: int, stages: int) -> int:
+    """The config's stages (an X tile and a [2 BN, BK] gate/up box each), lowered where they
+    would not fit beside the two [BM, BN] hand-off buffers (gate and up; 2-byte elements)."""
     per_stage = (block_m + 2 * block_n) * block_k * 2
-    out = block_m * block_n * 2
-    two, one = ((SHARED_BYTES - n * out) // per_stage for n in (2, 1))
-    if stages <= two:
-        return stages, 2
-    return (min(stages, one), 1) if one > two else (max(1, two), 2)
+    return max(1, min(stages, (SHARED_BYTES - 2 * block_m * block_n * 2) // per_stage))
 
 
 def launch_constants(block_m: int, block_n: int, block_k: int, group_m: int,
                      stages: int) -> dict:
-    """The kernel's tile, stage, store-buffer and partition constexprs for a config (what the
-    launch passes, and benchmarks/compile_report.py lowers)."""
-    stages, num_out = stages_that_fit(block_m, block_n, block_k, stages)
+    """The kernel's tile, stage and partition constexprs for a config (what the launch
+    passes, and benchmarks/compile_report.py lowers)."""
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-                STAGES=stages, NUM_OUT=num_out, PRODUCER_WARPS=PRODUCER_WARPS,
-                PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS)
+                STAGES=stages_that_fit(block_m, block_n, block_k, stages),
+                PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+                EPILOGUE_WARPS=EPILOGUE_WARPS, EPILOGUE_REGS=EPILOGUE_REGS,
+                num_warps=CONSUMER_WARPS)
 
 
 if GLUON:
@@ -78,14 +77,17 @@ if GLUON:
     def _producer(x_ptr, stride_x, w_desc, slot_token_ptr, block_expert_ptr, x_bufs, w_bufs,
                   ready_w, ready_x, empty, num_blocks, tiles_n, num_tokens, ffn,
                   hidden, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr):
+                  GROUP_M: gl.constexpr, W_KN: gl.constexpr = False):
+        """Gathered rows by cp.async, weight boxes by TMA, a stage a K step. The weights: the
+        gate and up [BN, BK] boxes of w [E * 2F, H] (FC1), or with W_KN one [BK, BN] box of
+        w [E * H, N] (dact_swiglu_ws.py: w_down [E, H, F], `hidden` its K)."""
         STAGES: gl.constexpr = x_bufs.shape[0]
         TPW_K: gl.constexpr = BLOCK_K // 8 if BLOCK_K // 8 < 32 else 32
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K],
                                                 [gl.num_warps(), 1], [1, 0])
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-        w_bytes: gl.constexpr = 2 * w_desc.block_type.nbytes
+        w_bytes: gl.constexpr = w_desc.block_type.nbytes * (1 if W_KN else 2)
         num_tiles = num_blocks * tiles_n
         tile = gl.program_id(0)
         pid_m, pid_n, expert = _tile_of(tile, num_blocks, tiles_n, block_expert_ptr, GROUP_M)
@@ -108,9 +110,12 @@ if GLUON:
                     mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
                     bar = ready_w.index(stage)
                     mbarrier.expect(bar, w_bytes)
-                    w_buf = w_bufs.index(stage)  # [2 BN, BK]: gate rows, then up rows
-                    tma_load(w_desc, [w_row, k0], bar, w_buf.slice(0, BLOCK_N))
-                    tma_load(w_desc, [w_row + ffn, k0], bar, w_buf.slice(BLOCK_N, BLOCK_N))
+                    w_buf = w_bufs.index(stage)
+                    if W_KN:
+                        tma_load(w_desc, [expert * hidden + k0, pid_n * BLOCK_N], bar, w_buf)
+                    else:  # [2 BN, BK]: gate rows, then up rows
+                        tma_load(w_desc, [w_row, k0], bar, w_buf.slice(0, BLOCK_N))
+                        tma_load(w_desc, [w_row + ffn, k0], bar, w_buf.slice(BLOCK_N, BLOCK_N))
                     cp_async(x_bufs.index(stage), x_ptrs + k0, mask=x_mask)
                     async_copy.mbarrier_arrive(ready_x.index(stage), increment_count=False)
                     it += 1
@@ -120,78 +125,111 @@ if GLUON:
             expert = n_expert
 
     @gluon.jit
-    def _consumer(y1_desc, act_desc, weights_ptr, slot_route_ptr, block_expert_ptr, x_bufs,
-                  w_bufs, ready_w, ready_x, empty, out_bufs, num_blocks, tiles_n,
-                  num_routes, ffn, hidden, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    def _gathered_k_loop(acc, x_bufs, w_bufs, ready_w, ready_x, empty, it, K,
+                         BLOCK_K: gl.constexpr, W_KN: gl.constexpr):
+        """One tile's K steps: wait for the stage's weight box and gathered rows, wgmma, hand
+        the stage before back once this one's wgmma is issued. The weight box is [N, BK]
+        (FC1's gate/up rows) or with W_KN [BK, N]."""
         STAGES: gl.constexpr = x_bufs.shape[0]
+        prev = 0
+        for k0 in range(0, K, BLOCK_K):
+            stage = it % STAGES
+            await_gathered_stage(ready_w, ready_x, stage, (it // STAGES) & 1)
+            if W_KN:
+                b = w_bufs.index(stage)
+            else:
+                b = w_bufs.index(stage).permute((1, 0))
+            acc = warpgroup_mma(x_bufs.index(stage), b, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+            # The wgmma before this one has read its stage: hand it back.
+            mbarrier.arrive(empty.index(prev), pred=k0 > 0)
+            prev = stage
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        mbarrier.arrive(empty.index(prev))
+        return acc, it
+
+    @gluon.jit
+    def _consumer(block_expert_ptr, x_bufs, w_bufs, ready_w, ready_x, empty, g_buf, u_buf,
+                  epi_ready, epi_free, num_blocks, tiles_n, hidden, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  num_warps: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 2 * BLOCK_N, 16])
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        dtype: gl.constexpr = y1_desc.dtype
+        dtype: gl.constexpr = g_buf.dtype
         num_tiles = num_blocks * tiles_n
         tile = gl.program_id(0)
         pid_m, pid_n, expert = _tile_of(tile, num_blocks, tiles_n, block_expert_ptr, GROUP_M)
-        route_next = gl.load(slot_route_ptr + pid_m * BLOCK_M + offs_m, mask=tile < num_tiles,
-                             other=num_routes)
         it = 0
+        done = 0
         while tile < num_tiles:
-            route = route_next
-            # The next tile's expert and routes, read while this tile's MMAs run.
             nxt, n_pid_m, n_pid_n, n_expert = _next_tile(tile, num_tiles, num_blocks, tiles_n,
                                                          block_expert_ptr, GROUP_M)
-            route_next = gl.load(slot_route_ptr + n_pid_m * BLOCK_M + offs_m,
-                                 mask=nxt < num_tiles, other=num_routes)
             if expert >= 0:
-                p = gl.load(weights_ptr + route, mask=route < num_routes, other=0.0)
                 acc = gl.zeros((BLOCK_M, 2 * BLOCK_N), gl.float32, acc_layout)
-                prev = 0
-                for k0 in range(0, hidden, BLOCK_K):
-                    stage = it % STAGES
-                    phase = (it // STAGES) & 1
-                    await_gathered_stage(ready_w, ready_x, stage, phase)
-                    acc = warpgroup_mma(x_bufs.index(stage), w_bufs.index(stage).permute((1, 0)),
-                                        acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-                    # The wgmma before this one has read its stage: hand it back.
-                    mbarrier.arrive(empty.index(prev), pred=k0 > 0)
-                    prev = stage
-                    it += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                mbarrier.arrive(empty.index(prev))
-                # [BM, 2 BN] -> gate, up (a thread holds matching columns of both); round
-                # them first: backward recomputes A from the stored Y1.
+                acc, it = _gathered_k_loop(acc, x_bufs, w_bufs, ready_w, ready_x, empty, it,
+                                           hidden, BLOCK_K, False)
+                # [BM, 2 BN] -> gate, up (a thread holds matching columns of both), rounded
+                # (backward recomputes A from the stored Y1) and handed to the epilogue
+                # partition once it is done with the tile before.
                 acc_g, acc_u = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]),
                                                    [0, 2, 1]))
-                g = acc_g.to(dtype)
-                u = acc_u.to(dtype)
-                row = pid_m * BLOCK_M
-                col = pid_n * BLOCK_N
-                # g, u and A leave through the store buffers in turn; a buffer is written
-                # again once the store before has read it (store_wait).
-                NUM_OUT: gl.constexpr = out_bufs.shape[0]
-                tma.store_wait(0)  # the last tile's stores have left the buffers
-                out_bufs.index(0).store(g)
+                mbarrier.wait(epi_free, (done & 1) ^ 1)
+                g_buf.store(acc_g.to(dtype))
+                u_buf.store(acc_u.to(dtype))
                 fence_async_shared()
-                tma_store(y1_desc, [row, col], out_bufs.index(0))
-                if NUM_OUT == 1:
-                    tma.store_wait(0)
-                out_bufs.index(NUM_OUT - 1).store(u)
-                fence_async_shared()
-                tma_store(y1_desc, [row, ffn + col], out_bufs.index(NUM_OUT - 1))
-                # gated_act.swiglu_forward, in its order of operations
-                g32 = g.to(gl.float32)
-                p32 = gl.convert_layout(p.to(gl.float32), gl.SliceLayout(1, g32.type.layout))
-                act = g32 / (1.0 + gl.exp(-g32)) * u.to(gl.float32) * p32[:, None]
-                tma.store_wait(NUM_OUT - 1)  # g's store has read buffer 0
-                out_bufs.index(0).store(act.to(dtype))
-                fence_async_shared()
-                tma_store(act_desc, [row, col], out_bufs.index(0))
+                mbarrier.arrive(epi_ready)
+                done += 1
             tile = nxt
             pid_m = n_pid_m
             pid_n = n_pid_n
             expert = n_expert
-        tma.store_wait(0)
+
+    @gluon.jit
+    def _epilogue(y1_desc, act_desc, weights_ptr, slot_route_ptr, block_expert_ptr, g_buf,
+                  u_buf, epi_ready, epi_free, num_blocks, tiles_n, num_routes, ffn,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """Per tile: g and u leave by TMA stores straight from the hand-off buffers; A is
+        computed from them ROWS rows at a time into g's buffer (once g's store has read it)
+        and leaves by a TMA store; then the buffers go back to the MMA warpgroups."""
+        ROWS: gl.constexpr = 16
+        TPW_N: gl.constexpr = BLOCK_N // 8 if BLOCK_N // 8 < 32 else 32
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N],
+                                                [gl.num_warps(), 1], [1, 0])
+        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        num_tiles = num_blocks * tiles_n
+        tile = gl.program_id(0)
+        pid_m, pid_n, expert = _tile_of(tile, num_blocks, tiles_n, block_expert_ptr, GROUP_M)
+        done = 0
+        while tile < num_tiles:
+            nxt, n_pid_m, n_pid_n, n_expert = _next_tile(tile, num_tiles, num_blocks, tiles_n,
+                                                         block_expert_ptr, GROUP_M)
+            if expert >= 0:
+                row = pid_m * BLOCK_M
+                col = pid_n * BLOCK_N
+                mbarrier.wait(epi_ready, done & 1)
+                tma_store(y1_desc, [row, col], g_buf)
+                tma_store(y1_desc, [row, ffn + col], u_buf)
+                tma.store_wait(0)  # both stores have read their buffers
+                for r0 in gl.static_range(0, BLOCK_M, ROWS):
+                    g_rows = g_buf.slice(r0, ROWS)
+                    g = g_rows.load(layout).to(gl.float32)
+                    u = u_buf.slice(r0, ROWS).load(layout).to(gl.float32)
+                    route = gl.load(slot_route_ptr + row + r0 + offs_r)
+                    p = gl.load(weights_ptr + route, mask=route < num_routes, other=0.0)
+                    # gated_act.swiglu_forward, in its order of operations; each thread
+                    # overwrites only the elements it read.
+                    act = g / (1.0 + gl.exp(-g)) * u * p.to(gl.float32)[:, None]
+                    g_rows.store(act.to(g_buf.dtype))
+                fence_async_shared()
+                tma_store(act_desc, [row, col], g_buf)
+                tma.store_wait(0)
+                mbarrier.arrive(epi_free)
+                done += 1
+            tile = nxt
+            pid_m = n_pid_m
+            pid_n = n_pid_n
+            expert = n_expert
 
     @gluon.jit
     def _fc1_swiglu_ws_kernel(x_ptr, w_desc, y1_desc, act_desc, weights_ptr, slot_token_ptr,
@@ -200,34 +238,41 @@ if GLUON:
                               num_routes, ffn, hidden, stride_x, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                              NUM_OUT: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                              PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                              EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
+                              num_warps: gl.constexpr):
         dtype: gl.constexpr = w_desc.dtype
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
-        out_bufs = gl.allocate_shared_memory(dtype, [NUM_OUT] + y1_desc.block_type.shape,
-                                             y1_desc.layout)
+        g_buf = gl.allocate_shared_memory(dtype, y1_desc.block_type.shape, y1_desc.layout)
+        u_buf = gl.allocate_shared_memory(dtype, y1_desc.block_type.shape, y1_desc.layout)
         ready_w = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_x = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_w.index(i), count=1)
             # every producer thread arrives once its own cp.async copies have landed
             mbarrier.init(ready_x.index(i), count=PRODUCER_WARPS * 32)
             mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(epi_ready, count=1)
+        mbarrier.init(epi_free, count=1)
         live = _live_blocks(expert_start_ptr, expert_count_ptr, num_experts, num_blocks,
                             BLOCK_M)
         tiles_n = ffn // BLOCK_N
         gl.warp_specialize([
-            (_consumer, (y1_desc, act_desc, weights_ptr, slot_route_ptr, block_expert_ptr,
-                         x_bufs, w_bufs, ready_w, ready_x, empty, out_bufs, live,
-                         tiles_n, num_routes, ffn, hidden, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                         num_warps)),
+            (_consumer, (block_expert_ptr, x_bufs, w_bufs, ready_w, ready_x, empty, g_buf,
+                         u_buf, epi_ready, epi_free, live, tiles_n, hidden, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M, num_warps)),
             (_producer, (x_ptr, stride_x, w_desc, slot_token_ptr, block_expert_ptr, x_bufs,
                          w_bufs, ready_w, ready_x, empty, live, tiles_n, num_tokens,
                          ffn, hidden, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+            (_epilogue, (y1_desc, act_desc, weights_ptr, slot_route_ptr, block_expert_ptr,
+                         g_buf, u_buf, epi_ready, epi_free, live, tiles_n, num_routes, ffn,
+                         BLOCK_M, BLOCK_N, GROUP_M)),
+        ], [PRODUCER_WARPS, EPILOGUE_WARPS], [PRODUCER_REGS, EPILOGUE_REGS])
 
 
 def fits(x_TH, w_gate_up_EFH, y1_out, act_out, block_m: int, block_n: int, block_k: int,

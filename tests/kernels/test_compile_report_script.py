@@ -68,14 +68,28 @@ def test_every_product_expert_kernel_compiles_for_hopper():
 
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no NVIDIA backend / ptxas")
 def test_the_gluon_fc1_compiles_for_hopper():
-    """The opt-in warp-specialized FC1 (fc1_swiglu_ws.py) at the product's 128-row tile: 4
-    stages of a [2 BN, BK] gate/up buffer beside one [BM, BN] store buffer, no spill."""
+    """The opt-in warp-specialized FC1 (fc1_swiglu_ws.py) at the product's 128-row tile: 3
+    stages of a [2 BN, BK] gate/up buffer beside the two [BM, BN] hand-off buffers (gate and
+    up), no spill."""
     out = _run("fc1", "--tokens", "8192", "--spec", "+keep+ws", "--json")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert "error" not in doc and doc["variant"] == "tma+persistent+ws+pair", doc
-    assert doc["spill_store_bytes"] == 0 and doc["tile"][5] == 4, doc
-    assert "4x256x64 bf16" in doc["buffers"] and "1x128x128 bf16" in doc["buffers"], doc
+    assert doc["spill_store_bytes"] == 0 and doc["tile"][5] == 3, doc
+    assert "3x256x64 bf16" in doc["buffers"], doc
+    assert doc["buffers"].count("128x128 bf16") == 2, doc
+
+
+def test_the_gluon_dact_compiles_for_hopper():
+    """The opt-in warp-specialized dA (dact_swiglu_ws.py) at the product's paired tile: 3
+    stages of a [BK, 2 BN] w_down box beside the four dA quarter buffers, at most a few spilled
+    words (the epilogue partition's, under Triton 3.9)."""
+    out = _run("dact", "--tokens", "8192", "--spec", "+keep+ws", "--json")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in doc and doc["tile"][5] == 3, doc
+    assert doc["spill_store_bytes"] <= 64, doc
+    assert "3x64x256 bf16" in doc["buffers"] and "4x128x64 bf16" in doc["buffers"], doc
 
 
 @pytest.mark.parametrize("args,message", [
