@@ -133,9 +133,6 @@ def dact_source(cfg, route_block: int):
     from moegraph_kernels.dact_swiglu import paired_tile
     paired = paired_tile(F, cfg)
     bn = 2 * cfg.block_n if paired else cfg.block_n
-    if cfg.warp_specialize and paired and cfg.block_m == route_block == 128 and bn == 256 \
-            and F % bn == 0 and H % cfg.block_k == 0:
-        return dact_ws_source(cfg)
     use_tma = cfg.tma and H % cfg.block_k == 0
     consts = dict(ROUTE_BLOCK=route_block, BLOCK_M=cfg.block_m, BLOCK_N=bn,
                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=H % cfg.block_k == 0,
@@ -145,17 +142,6 @@ def dact_source(cfg, route_block: int):
     types = {"dp_ptr": "*fp32", "alpha": "fp32", "limit": "fp32",
              "w_desc": f"tensordesc<bf16[{cfg.block_k}, {bn}]>" if use_tma else "*bf16"}
     return _source(fn, consts, types, odd=("num_experts",)), cfg
-
-
-def dact_ws_source(cfg):
-    """dact_swiglu_ws.py's warp-specialized kernel (dact_swiglu's choice on a Hopper GPU where
-    a paired cfg asks for warp_specialize and the launch fits), at the stages that fit."""
-    from moegraph_kernels import dact_swiglu_ws as ws
-    tile = cfg._replace(block_n=2 * cfg.block_n)
-    (src, ran) = _ws_source(ws, ws._dact_swiglu_ws_kernel, tile, {}, {
-        "w_desc": _gluon_desc((cfg.block_k, tile.block_n)), "dp_ptr": "*fp32",
-        "weights_ptr": "*fp32"})
-    return src, ran._replace(block_n=cfg.block_n)
 
 
 def wgrad_source(cfg, down: bool, route_block: int):

@@ -90,10 +90,6 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         for name, c in (("triton", d._replace(warp_specialize=False)), ("ws", ws),
                         ("ws_s2", ws._replace(num_stages=2)), ("ws_g4", ws._replace(group_m=4))):
             out += [(name, c, True)] if c not in [o[1] for o in out] else []
-    if kernel == "dact" and d.paired:
-        # The warp-specialized Gluon kernel (kernels/dact_swiglu_ws.py) against the Triton tile.
-        out += [("triton", d._replace(warp_specialize=False), True),
-                ("ws", d._replace(warp_specialize=True), True)]
     if kernel == "dact":
         # Persistent dA spilled before its epilogue masked rows by the route (3-20x slower,
         # kernel_sweep_8192.json); the 4-warp tiles fit two CTAs an SM.

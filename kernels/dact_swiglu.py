@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import dact_swiglu_ws, gluon_hopper, tma
 from . import gemm_launch as gl
+from . import tma
 from .gated_act import gated_backward, gated_forward
 from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, dact_config
@@ -212,10 +212,6 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
     if dp_part_out.shape[1] != dp_tiles(ffn, cfg):
         raise ValueError(f"dp_part_out has {dp_part_out.shape[1]} columns, the tile config "
                          f"needs {dp_tiles(ffn, cfg)}")
-    if cfg.warp_specialize and clamp is None and _warp_specialized(
-            dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, act_out, dp_part_out,
-            cfg):
-        return dy1_out, act_out, dp_part_out
     # The pointer path that replaces a failed variant keeps `paired` (a pointer-path tiling
     # too): dp_part's columns follow it.
     return gl.with_fallback(
@@ -223,25 +219,6 @@ def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
         lambda c: _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out,
                                act_out, dp_part_out, c, clamp),
         keep=("paired",))
-
-
-def _warp_specialized(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList, dy1_out,
-                      act_out, dp_part_out, cfg: GemmConfig) -> bool:
-    """dact_swiglu through dact_swiglu_ws.py's kernel where the GPU is a Hopper, the config is
-    the paired tile and the launch fits (True, and LAST_PLAN says warp_specialize); False
-    (nothing written) otherwise, or where its launch fails (gemm_launch.gluon_launch: then
-    the Triton kernel)."""
-    ffn = w_down_EHF.shape[2]
-    if not (gluon_hopper.available(dout_TH.device) and paired_tile(ffn, cfg)
-            and dact_swiglu_ws.fits(dout_TH, w_down_EHF, y1_S2F, dy1_out, act_out, cfg.block_m,
-                                    2 * cfg.block_n, cfg.block_k, routes.block_m)):
-        return False
-    return gl.gluon_launch("dact", (cfg, dout_TH.dtype, dout_TH.shape[1], ffn),
-                           lambda: dact_swiglu_ws.dact_swiglu_ws(
-                               dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out,
-                               act_out, dp_part_out, cfg.block_m, 2 * cfg.block_n,
-                               cfg.block_k, cfg.group_m, cfg.num_stages,
-                               tma.num_programs(dout_TH.device)), record={"paired": True})
 
 
 def paired_tile(ffn: int, cfg: GemmConfig) -> bool:

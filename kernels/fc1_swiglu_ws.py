@@ -8,21 +8,24 @@ Triton 3.6 cannot warp-specialize the loop (its pass needs all-TMA loads, and Ho
 cannot gather), and its persistent loop refills the pipeline and runs the SwiGLU epilogue
 before the next tile's first MMA.
 
-One program an SM runs two partitions over slot_gemm_ws.py's tile sequence (slot blocks x
+One program an SM runs three partitions over slot_gemm_ws.py's tile sequence (slot blocks x
 F / BN column tiles, GROUP_M blocks at a time, blocks of no expert skipped):
-- a producer (4 warps) that, for every K step, waits for a free stage, issues the gate and
+- a producer (2 warps) that, for every K step, waits for a free stage, issues the gate and
   up weight boxes by TMA into the stage's [2 BN, BK] buffer (`ready_w`, bytes expected)
   and the gathered X rows by cp.async (`ready_x`: each producer thread arrives once its own
   copies land; padding slots' rows are masked, so cp.async fills them with zeros), the next
   tile's token ids loaded while this tile's steps are issued;
-- the default partition (8 warps, two warpgroups of 64 rows) that runs one [BM, 2 BN] wgmma a
-  stage over the stage's gate rows and up rows (the Triton kernel's paired dot: the same
-  sums), hands the stage back once the next stage's wgmma is issued, then splits the
-  accumulator into gate and up (a thread holds matching columns of both), rounds them,
-  stores them by TMA, computes A from them with gated_act.py's formula and stores it by TMA,
-  waiting for earlier stores only when it needs their buffer again.
-The next tile's slot routes are read during this tile, its route weights p before the K loop,
-so neither load's latency stalls the MMAs.
+- the MMA warpgroups (the default partition, 8 warps, 64 rows each) that run one [BM, 2 BN]
+  wgmma a stage over the stage's gate rows and up rows (the Triton kernel's paired dot: the
+  same sums), hand the stage back once the next stage's wgmma is issued, then split the
+  accumulator into gate and up (a thread holds matching columns of both), round them and
+  hand them over in two [BM, BN] buffers once the epilogue is done with the tile before
+  (`epi_free` / `epi_ready`), and go on to the next tile;
+- the epilogue (2 warps) that stores g and u by TMA straight from those buffers, computes A
+  from them 16 rows at a time with gated_act.py's formula into g's buffer (once g's store
+  has read it), stores A by TMA and hands the buffers back.
+Twelve warps in all: ptxas holds every partition to 65536 / (32 x warps) registers a thread
+(168 here), and the accumulator's wgmma needs more than sixteen warps would leave (128).
 
 `fits` says which launches it takes (2-byte X, weights and outputs; F a multiple of BN; H a
 multiple of BK; 2 BN <= 256 (one wgmma); 128-row tiles as tall as the route block; 16-byte
@@ -77,17 +80,14 @@ if GLUON:
     def _producer(x_ptr, stride_x, w_desc, slot_token_ptr, block_expert_ptr, x_bufs, w_bufs,
                   ready_w, ready_x, empty, num_blocks, tiles_n, num_tokens, ffn,
                   hidden, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, W_KN: gl.constexpr = False):
-        """Gathered rows by cp.async, weight boxes by TMA, a stage a K step. The weights: the
-        gate and up [BN, BK] boxes of w [E * 2F, H] (FC1), or with W_KN one [BK, BN] box of
-        w [E * H, N] (dact_swiglu_ws.py: w_down [E, H, F], `hidden` its K)."""
+                  GROUP_M: gl.constexpr):
         STAGES: gl.constexpr = x_bufs.shape[0]
         TPW_K: gl.constexpr = BLOCK_K // 8 if BLOCK_K // 8 < 32 else 32
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K],
                                                 [gl.num_warps(), 1], [1, 0])
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-        w_bytes: gl.constexpr = w_desc.block_type.nbytes * (1 if W_KN else 2)
+        w_bytes: gl.constexpr = 2 * w_desc.block_type.nbytes
         num_tiles = num_blocks * tiles_n
         tile = gl.program_id(0)
         pid_m, pid_n, expert = _tile_of(tile, num_blocks, tiles_n, block_expert_ptr, GROUP_M)
@@ -110,12 +110,9 @@ if GLUON:
                     mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
                     bar = ready_w.index(stage)
                     mbarrier.expect(bar, w_bytes)
-                    w_buf = w_bufs.index(stage)
-                    if W_KN:
-                        tma_load(w_desc, [expert * hidden + k0, pid_n * BLOCK_N], bar, w_buf)
-                    else:  # [2 BN, BK]: gate rows, then up rows
-                        tma_load(w_desc, [w_row, k0], bar, w_buf.slice(0, BLOCK_N))
-                        tma_load(w_desc, [w_row + ffn, k0], bar, w_buf.slice(BLOCK_N, BLOCK_N))
+                    w_buf = w_bufs.index(stage)  # [2 BN, BK]: gate rows, then up rows
+                    tma_load(w_desc, [w_row, k0], bar, w_buf.slice(0, BLOCK_N))
+                    tma_load(w_desc, [w_row + ffn, k0], bar, w_buf.slice(BLOCK_N, BLOCK_N))
                     cp_async(x_bufs.index(stage), x_ptrs + k0, mask=x_mask)
                     async_copy.mbarrier_arrive(ready_x.index(stage), increment_count=False)
                     it += 1
@@ -126,20 +123,17 @@ if GLUON:
 
     @gluon.jit
     def _gathered_k_loop(acc, x_bufs, w_bufs, ready_w, ready_x, empty, it, K,
-                         BLOCK_K: gl.constexpr, W_KN: gl.constexpr):
-        """One tile's K steps: wait for the stage's weight box and gathered rows, wgmma, hand
-        the stage before back once this one's wgmma is issued. The weight box is [N, BK]
-        (FC1's gate/up rows) or with W_KN [BK, N]."""
+                         BLOCK_K: gl.constexpr):
+        """One tile's K steps: wait for the stage's gate/up box and gathered rows, wgmma (the
+        Triton kernel's paired dot), hand the stage before back once this one's wgmma is
+        issued."""
         STAGES: gl.constexpr = x_bufs.shape[0]
         prev = 0
         for k0 in range(0, K, BLOCK_K):
             stage = it % STAGES
             await_gathered_stage(ready_w, ready_x, stage, (it // STAGES) & 1)
-            if W_KN:
-                b = w_bufs.index(stage)
-            else:
-                b = w_bufs.index(stage).permute((1, 0))
-            acc = warpgroup_mma(x_bufs.index(stage), b, acc, is_async=True)
+            acc = warpgroup_mma(x_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc,
+                                is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
             # The wgmma before this one has read its stage: hand it back.
             mbarrier.arrive(empty.index(prev), pred=k0 > 0)
@@ -168,7 +162,7 @@ if GLUON:
             if expert >= 0:
                 acc = gl.zeros((BLOCK_M, 2 * BLOCK_N), gl.float32, acc_layout)
                 acc, it = _gathered_k_loop(acc, x_bufs, w_bufs, ready_w, ready_x, empty, it,
-                                           hidden, BLOCK_K, False)
+                                           hidden, BLOCK_K)
                 # [BM, 2 BN] -> gate, up (a thread holds matching columns of both), rounded
                 # (backward recomputes A from the stored Y1) and handed to the epilogue
                 # partition once it is done with the tile before.

@@ -107,11 +107,6 @@ SLOT_GEMM_WS = flag_from_env("MOEGRAPH_SLOT_GEMM_WS", True)
 # stages); bitwise the same.
 FC1_WS = flag_from_env("MOEGRAPH_FC1_WS", False)
 
-# MOEGRAPH_DACT_WS=1: dA at 128-row blocks (the paired tile) asks for the warp-specialized
-# Gluon kernel of dact_swiglu_ws.py (its SwiGLU backward in an epilogue partition, under the
-# next tile's MMAs). Off until measured against the Triton tile.
-DACT_WS = flag_from_env("MOEGRAPH_DACT_WS", False)
-
 
 class GemmConfig(NamedTuple):
     block_m: int

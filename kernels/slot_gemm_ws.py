@@ -119,47 +119,13 @@ if GLUON:
                     it += 1
 
     @gluon.jit
-    def _k_loop(acc, a_bufs, w_bufs, ready, empty, it, K, W_NK: gl.constexpr,
-                ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
-        """One tile's K steps over the first ROWS rows of each stage's A box: wait for the
-        stage, wgmma, hand the stage before back once this one's wgmma is issued."""
+    def _consumer(c_desc, block_expert_ptr, a_bufs, w_bufs, ready, empty, out_buf, num_blocks,
+                  tiles_n, K, W_NK: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  num_warps: gl.constexpr):
         STAGES: gl.constexpr = a_bufs.shape[0]
-        prev = 0
-        for k0 in range(0, K, BLOCK_K):
-            stage = it % STAGES
-            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-            if W_NK:
-                b = w_bufs.index(stage).permute((1, 0))
-            else:
-                b = w_bufs.index(stage)
-            a = a_bufs.index(stage)
-            if ROWS < a_bufs.shape[1]:
-                a = a.slice(0, ROWS)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            # The wgmma before this one has read its stage: hand it back.
-            mbarrier.arrive(empty.index(prev), pred=k0 > 0)
-            prev = stage
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(empty.index(prev))
-        return acc, it
-
-    @gluon.jit
-    def _consumer(c_desc, block_expert_ptr, expert_start_ptr, expert_count_ptr, a_bufs, w_bufs,
-                  ready, empty, out_buf, num_blocks, tiles_n, K, W_NK: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, num_warps: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-        # A block whose live rows fit in its first half (an expert's last, nearly empty
-        # block): a [BM / 2, BN] tile, the two warpgroups side by side on its columns; the
-        # second half is stored as zeros. Each element sums the same K steps in the same
-        # order: the same values as the whole tile's.
-        HALF: gl.constexpr = BLOCK_M // 2
-        half_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps // 2, 2], instr_shape=[16, BLOCK_N // 2, 16])
-        dtype: gl.constexpr = c_desc.dtype
         num_tiles = num_blocks * tiles_n
         tile = gl.program_id(0)
         pid_m, pid_n, expert = _tile_of(tile, num_blocks, tiles_n, block_expert_ptr, GROUP_M)
@@ -168,22 +134,25 @@ if GLUON:
             nxt, n_pid_m, n_pid_n, n_expert = _next_tile(tile, num_tiles, num_blocks, tiles_n,
                                                          block_expert_ptr, GROUP_M)
             if expert >= 0:
-                live = (gl.load(expert_start_ptr + expert) + gl.load(expert_count_ptr + expert)
-                        - pid_m * BLOCK_M)
-                if live <= HALF:
-                    acc_h = gl.zeros((HALF, BLOCK_N), gl.float32, half_layout)
-                    acc_h, it = _k_loop(acc_h, a_bufs, w_bufs, ready, empty, it, K, W_NK,
-                                        HALF, BLOCK_K)
-                    tma.store_wait(0)  # the last tile's store has left out_buf
-                    out_buf.slice(0, HALF).store(acc_h.to(dtype))
-                    out_buf.slice(HALF, HALF).store(gl.zeros((HALF, BLOCK_N), dtype,
-                                                             half_layout))
-                else:
-                    acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
-                    acc, it = _k_loop(acc, a_bufs, w_bufs, ready, empty, it, K, W_NK,
-                                      BLOCK_M, BLOCK_K)
-                    tma.store_wait(0)  # the last tile's store has left out_buf
-                    out_buf.store(acc.to(dtype))
+                acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+                prev = 0
+                for k0 in range(0, K, BLOCK_K):
+                    stage = it % STAGES
+                    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+                    if W_NK:
+                        b = w_bufs.index(stage).permute((1, 0))
+                    else:
+                        b = w_bufs.index(stage)
+                    acc = warpgroup_mma(a_bufs.index(stage), b, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+                    # The wgmma before this one has read its stage: hand it back.
+                    mbarrier.arrive(empty.index(prev), pred=k0 > 0)
+                    prev = stage
+                    it += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                mbarrier.arrive(empty.index(prev))
+                tma.store_wait(0)  # the last tile's store has left out_buf
+                out_buf.store(acc.to(c_desc.dtype))
                 fence_async_shared()
                 tma_store(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_buf)
             tile = nxt
@@ -214,8 +183,8 @@ if GLUON:
                             BLOCK_M)
         tiles_n = N // BLOCK_N
         gl.warp_specialize([
-            (_consumer, (c_desc, block_expert_ptr, expert_start_ptr, expert_count_ptr, a_bufs,
-                         w_bufs, ready, empty, out_buf, live, tiles_n, K, W_NK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            (_consumer, (c_desc, block_expert_ptr, a_bufs, w_bufs, ready, empty, out_buf,
+                         live, tiles_n, K, W_NK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                          num_warps)),
             (_producer, (a_desc, w_desc, block_expert_ptr, a_bufs, w_bufs, ready, empty,
                          live, tiles_n, N, K, W_NK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),

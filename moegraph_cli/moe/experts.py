@@ -134,8 +134,6 @@ def tile_configs(num_routes: int, num_experts: int, hidden: int, ffn: int,
     dact = cfg.dact
     if gemm_config.DACT_PAIRED and block >= 128:
         dact = dact._replace(num_stages=3).with_variant("pair")
-        # the warp-specialized Gluon kernel on a Hopper GPU (gemm_config.DACT_WS)
-        dact = dact._replace(warp_specialize=gemm_config.DACT_WS)
     fc1 = cfg.fc1.with_variant(fc1)
     if block >= 128:  # the warp-specialized Gluon kernel on a Hopper GPU (gemm_config.FC1_WS)
         fc1 = fc1._replace(warp_specialize=gemm_config.FC1_WS)

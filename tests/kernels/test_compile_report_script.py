@@ -80,18 +80,6 @@ def test_the_gluon_fc1_compiles_for_hopper():
     assert doc["buffers"].count("128x128 bf16") == 2, doc
 
 
-def test_the_gluon_dact_compiles_for_hopper():
-    """The opt-in warp-specialized dA (dact_swiglu_ws.py) at the product's paired tile: 3
-    stages of a [BK, 2 BN] w_down box beside the four dA quarter buffers, at most a few spilled
-    words (the epilogue partition's, under Triton 3.9)."""
-    out = _run("dact", "--tokens", "8192", "--spec", "+keep+ws", "--json")
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    doc = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "error" not in doc and doc["tile"][5] == 3, doc
-    assert doc["spill_store_bytes"] <= 64, doc
-    assert "3x64x256 bf16" in doc["buffers"] and "4x128x64 bf16" in doc["buffers"], doc
-
-
 @pytest.mark.parametrize("args,message", [
     (["dact", "--spec", "128x128"], "want bm x bn x bk"),
     (["dact", "--spec", "+tmaa"], "unknown variant part"),
