@@ -100,11 +100,12 @@ WARP_SPECIALIZE_ENABLED = False
 SLOT_GEMM_WS = flag_from_env("MOEGRAPH_SLOT_GEMM_WS", True)
 
 # MOEGRAPH_FC1_WS=1: FC1 at 128-row blocks asks for the warp-specialized Gluon kernel of
-# fc1_swiglu_ws.py the same way (its X rows gathered by cp.async in a producer partition).
-# Off: on the H100 (benchmarks/kernel_sweep.py, Qwen3 shape, uniform / skewed,
-# results/kernel_sweep_fc1_ws_h100.json) it ran 0.881 / 0.879 ms against the Triton kernel's
-# 0.847 / 0.862 at T = 8192, 2.985 / 2.996 against 2.911 / 2.926 at 32768 (2.863 / 2.896 at 3
-# stages); bitwise the same.
+# fc1_swiglu_ws.py the same way (its X rows gathered by cp.async in a producer partition, its
+# SwiGLU epilogue in a partition of its own). Off: on the H100 (benchmarks/kernel_sweep.py,
+# Qwen3 shape, uniform / skewed, results/kernel_sweep_fc1_epi_h100.json) FC1 alone ran 0.856 /
+# 0.865 ms against the Triton kernel's 0.848 / 0.866 at T = 8192 and 2.823 / 2.849 against
+# 2.949 / 2.987 at 32768, bitwise the same; the whole expert fwd+bwd and the loaded step moved
+# inside their resolution (tiles_ab_fc1_epi_h100.json, whole_step_loaded_fc1_ws_*_h100.json).
 FC1_WS = flag_from_env("MOEGRAPH_FC1_WS", False)
 
 
