@@ -76,6 +76,13 @@ def mm_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(torch.mm(a.float(), b.float()))
 
 
+def addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c + a @ b (2-D) with beta = 1: fp32 accumulation and one rounding, into a new tensor."""
+    if not through_fp32(c):
+        return torch.addmm(c, a, b)
+    return torch.addmm(c.float(), a.float(), b.float()).to(c.dtype)
+
+
 def addmm_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """c.addmm_(a, b): c + a @ b with beta = 1, one rounding into c."""
     if not through_fp32(c):

@@ -114,7 +114,7 @@ class AttentionScope(Scope):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=native)
         o = o.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
-        return skip + self.o_proj(o)
+        return self.o_proj(o, residual=skip)
 
 
 def expand_heads(x_BNSD: torch.Tensor, rep: int, like: torch.Tensor) -> torch.Tensor:

@@ -210,4 +210,4 @@ class DenseMlpScope(Scope):
 
     def body(self, h_BSH: torch.Tensor) -> torch.Tensor:
         y, skip = self.post_norm(h_BSH, skip=True)
-        return skip + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        return self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y), residual=skip)

@@ -5,6 +5,11 @@ gradient dW = dy^T @ x with `grads.mm_grad` (one GEMM writing, or accumulating w
 into the sink's `.grad`; for a plain parameter the same product autograd forms, returned).
 The bias gradient is the column sum of dy, deposited likewise.
 
+`Linear(x, residual=r)`: r + F.linear(x, w) as one GEMM with beta = 1 (the residual add in the
+GEMM's epilogue: fp32 accumulation and one rounding, where the add after the GEMM rounds
+twice, and one pass fewer over [rows, out]); its backward hands dy to the residual as it is.
+Without a bias only (with one, the add stays separate); MOEGRAPH_RESIDUAL_GEMM=0 keeps it.
+
 `projections(x, linears)`: several Linears of one input (attention's q, k and v) as one
 autograd node. Forward: each F.linear, unchanged. Backward: dx = sum_i dy_i @ w_i as one GEMM
 and then `addmm_` of the rest into its output (fp32 accumulation, one rounding a GEMM), where
@@ -22,7 +27,7 @@ import os
 import torch
 
 from ... import grads
-from ...matmul import addmm_, linear as _plain, matmul
+from ...matmul import addmm, addmm_, linear as _plain, matmul
 
 
 class _Linear(torch.autograd.Function):
@@ -54,10 +59,50 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return _Linear.apply(x, w, b)
 
 
-class Linear(torch.nn.Linear):
-    """nn.Linear through `linear` (same parameters, same state-dict keys)."""
+# MOEGRAPH_RESIDUAL_GEMM=0: `Linear(x, residual=r)` adds r after the GEMM (two roundings).
+RESIDUAL_GEMM = os.environ.get("MOEGRAPH_RESIDUAL_GEMM", "1") not in ("0", "")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+
+def _residual_mm(r, x, w):
+    """r + x @ w^T over the last dimension, one GEMM (beta = 1)."""
+    out = addmm(r.reshape(-1, r.shape[-1]), x.reshape(-1, x.shape[-1]), w.t())
+    return out.view(r.shape)
+
+
+class _ResidualLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, r, x, w):
+        ctx.save_for_backward(x, w)
+        return _residual_mm(r, x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = matmul(dy, w) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[2]:
+            dw = grads.mm_grad(w, dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+        return dy if ctx.needs_input_grad[0] else None, dx, dw
+
+
+def residual_linear(r: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                    b: torch.Tensor | None = None) -> torch.Tensor:
+    """r + F.linear(x, w, b): one GEMM with beta = 1 where there is no bias (module
+    docstring), the same for sink and plain weights (so a sharded run has the same bits)."""
+    if b is not None or not RESIDUAL_GEMM or r.shape[:-1] != x.shape[:-1]:
+        return r + linear(x, w, b)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (r, x, w)):
+        return _ResidualLinear.apply(r, x, w)
+    return _residual_mm(r, x, w)
+
+
+class Linear(torch.nn.Linear):
+    """nn.Linear through `linear` (same parameters, same state-dict keys); with `residual`,
+    residual + the product (`residual_linear`)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            return residual_linear(residual, x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
 

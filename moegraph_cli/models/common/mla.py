@@ -86,4 +86,4 @@ class MlaScope(Scope):
         o = F.scaled_dot_product_attention(q_BNSQ, k_BNSQ, v_BNSV, is_causal=True,
                                            scale=self.scale)[..., :self.v_dim]
         o = o.transpose(1, 2).reshape(batch, seq, nh * self.v_dim)
-        return skip + self.o_proj(o)
+        return self.o_proj(o, residual=skip)
