@@ -11,6 +11,11 @@ from moegraph_cli import grads
 from moegraph_cli.models.common.linear import Linear
 
 
+@pytest.fixture(autouse=True)
+def _fused(monkeypatch):
+    monkeypatch.setattr(lin_mod, "RESIDUAL_GEMM", True)
+
+
 def _case(bias=False, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     lin = Linear(24, 16, bias=bias).to(dtype)

@@ -8,7 +8,7 @@ The bias gradient is the column sum of dy, deposited likewise.
 `Linear(x, residual=r)`: r + F.linear(x, w) as one GEMM with beta = 1 (the residual add in the
 GEMM's epilogue: fp32 accumulation and one rounding, where the add after the GEMM rounds
 twice, and one pass fewer over [rows, out]); its backward hands dy to the residual as it is.
-Without a bias only (with one, the add stays separate); MOEGRAPH_RESIDUAL_GEMM=0 keeps it.
+Without a bias only (with one, the add stays separate); opt-in (MOEGRAPH_RESIDUAL_GEMM=1).
 
 `projections(x, linears)`: several Linears of one input (attention's q, k and v) as one
 autograd node. Forward: each F.linear, unchanged. Backward: dx = sum_i dy_i @ w_i as one GEMM
@@ -59,8 +59,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return _Linear.apply(x, w, b)
 
 
-# MOEGRAPH_RESIDUAL_GEMM=0: `Linear(x, residual=r)` adds r after the GEMM (two roundings).
-RESIDUAL_GEMM = os.environ.get("MOEGRAPH_RESIDUAL_GEMM", "1") not in ("0", "")
+# MOEGRAPH_RESIDUAL_GEMM=1: `Linear(x, residual=r)` adds r inside the GEMM (beta = 1). Off by
+# default until measured on a GPU: r is added after the GEMM (two roundings), as before.
+RESIDUAL_GEMM = os.environ.get("MOEGRAPH_RESIDUAL_GEMM", "0") not in ("0", "")
 
 
 def _residual_mm(r, x, w):
