@@ -79,7 +79,8 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         return out
     if kernel == "fc1" and d.warp_specialize:
         # The Triton kernel at the same tile, against the Gluon one (kernels/fc1_swiglu_ws.py),
-        # which also runs at 3 stages (two store buffers) and at tile groups of 8.
+        # which also runs asked for 3 stages (what fits beside its hand-off buffers either way)
+        # and at tile groups of 8.
         out += [("triton", d._replace(warp_specialize=False), True),
                 ("ws_s3", d._replace(num_stages=3), True),
                 ("ws_g8", d._replace(group_m=8), True)]

@@ -1,6 +1,6 @@
-"""What the warp-specialized Gluon kernels (wgrad_ws.py, slot_gemm_ws.py) share: Gluon's
-Hopper modules under the names of whichever Triton is installed, whether a device can run
-them, and the shared-memory layouts and dtypes of their TMA boxes.
+"""What the warp-specialized Gluon kernels (wgrad_ws.py, slot_gemm_ws.py, fc1_swiglu_ws.py)
+share: Gluon's Hopper modules under the names of whichever Triton is installed, whether a
+device can run them, and the shared-memory layouts and dtypes of their TMA boxes.
 
 Gluon runs on NVIDIA GPUs only (no interpreter); `GLUON` is False on a Triton without it.
 """
