@@ -156,13 +156,14 @@ def _route_bound(topk_ids_TK: torch.Tensor, dispatch: Dispatch) -> int:
 
 
 class PermuteFreeMoE(torch.autograd.Function):
-    """Outputs (y_TH, num_dropped [1] int32); differentiable in x, weights, both w and the
-    optional biases."""
+    """Outputs (y_TH, num_dropped [1] int32); differentiable in x, weights, both w, the
+    optional biases and the optional residual_TH, which the combine adds to y (its gradient
+    is y's)."""
 
     @staticmethod
     def forward(ctx, x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                 dispatch, configs, b_gate_up_EF2=None, b_down_EH=None, act=SWIGLU,
-                recompute_fc1=False):
+                recompute_fc1=False, residual_TH=None):
         num_tokens, hidden = x_TH.shape
         num_experts, two_f, _ = w_gate_up_EFH.shape
         ffn = two_f // 2
@@ -193,7 +194,7 @@ class PermuteFreeMoE(torch.autograd.Function):
                        w_nk=True, cfg=cfg.fc2, bias_EN=b_down_EH, topk_weights_N=weights_N)
         del a_S
         out = gather_combine(y2, routes.token_slots, _scratch((num_tokens, hidden), x_TH.dtype,
-                                                              dev))
+                                                              dev), residual_TH)
         # Only dweights reads the ids and b_down (the bias term of dp); saved only with a bias.
         ids_TK = topk_ids_TK if b_down_EH is not None else None
         ctx.save_for_backward(x_TH, weights_N, w_gate_up_EFH, w_down_EHF,
@@ -269,8 +270,10 @@ class PermuteFreeMoE(torch.autograd.Function):
         db_gate_up = None
         if need_b_gu:
             db_gate_up = _bias_grad(ctx.biases[0], dy1, routes, False, None)
+        # Callers that pass no residual apply with fewer inputs: trailing Nones are allowed.
+        d_residual = dout_TH if ctx.needs_input_grad[11:12] == (True,) else None
         return (dx, None, dweights, dw_gate_up, dw_down, None, None, db_gate_up, db_down,
-                None, None)
+                None, None, d_residual)
 
 
 def _wgrad(w, l_rows, r_rows, routes, gather_l, gather_r, cfg):
@@ -307,10 +310,17 @@ def permute_free_moe_with_drops(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EF
 
 def permute_free_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                          dispatch: Dispatch, *, b_gate_up=None, b_down=None,
-                         act: ExpertAct = SWIGLU, recompute_fc1: bool = False) -> torch.Tensor:
-    """The experts over the routes `dispatch` keeps; reference_experts' contract."""
+                         act: ExpertAct = SWIGLU, recompute_fc1: bool = False,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts over the routes `dispatch` keeps; reference_experts' contract (`residual`
+    is added by the combine kernel, the same bits as adding it after)."""
+    if residual is not None:
+        residual = residual.reshape(x_TH.shape)
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
     return PermuteFreeMoE.apply(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                                dispatch, None, b_gate_up, b_down, act, recompute_fc1)[0]
+                                dispatch, None, b_gate_up, b_down, act, recompute_fc1,
+                                residual)[0]
 
 
 def permute_free_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,

@@ -56,8 +56,10 @@ def reference_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
 
 def reference_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                       dispatch: Dispatch, *, b_gate_up=None, b_down=None,
-                      act: ExpertAct = SWIGLU, recompute_fc1: bool = False) -> torch.Tensor:
-    """The experts over the routes `dispatch` keeps (all when keep_TK is None). A sink's
+                      act: ExpertAct = SWIGLU, recompute_fc1: bool = False,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts over the routes `dispatch` keeps (all when keep_TK is None), plus
+    `residual` ([T, H] or any shape of T * H elements) where given. A sink's
     gradient is deposited whole (an expert with no routes gets exact zeros). `recompute_fc1`
     (the MoE scope's selective recompute): this path keeps no expert activations and re-runs
     its whole expert loop in the backward (torch's non-reentrant checkpoint; the same values)."""
@@ -79,7 +81,8 @@ def reference_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_
     out_TH = y_TKH[:, 0].float()
     for j in range(1, top_k):
         out_TH = out_TH + y_TKH[:, j].float()
-    return out_TH.to(x_TH.dtype)
+    out_TH = out_TH.to(x_TH.dtype)
+    return out_TH if residual is None else residual.reshape(out_TH.shape) + out_TH
 
 
 def route_outputs(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF, keep_TK=None,

@@ -51,3 +51,30 @@ def test_tile_changes_no_value_on_cuda(tile, monkeypatch):
     out = torch.full((1024, 2048), math.nan, device="cuda", dtype=torch.bfloat16)
     combine.gather_combine(src, slots, out)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("T,k,H,drop", [(1, 1, 1, 0.0), (7, 3, 33, 0.3), (33, 2, 130, 0.5)])
+def test_base_is_added_as_torch_adds_it(T, k, H, drop):
+    """With `base` (the residual stream) the output is base + the rounded sum, the bits of
+    torch's add after the combine; base's row stride may exceed H."""
+    src, slots = _case(T, k, H, drop, seed=T * 17 + H)
+    g = torch.Generator().manual_seed(T + H)
+    base = torch.randn(T, H + 3, generator=g)[:, :H]
+    out = torch.full((T, H), math.nan)
+    combine.gather_combine(src, slots, out, base)
+    assert torch.equal(out, base + combine_ref(src, slots))
+
+
+def test_base_of_another_shape_is_refused():
+    src, slots = _case(4, 2, 8, 0.0, seed=1)
+    with pytest.raises(ValueError, match="base must be"):
+        combine.gather_combine(src, slots, torch.empty(4, 8), torch.zeros(4, 9))
+
+
+@pytest.mark.cuda
+def test_base_bf16_matches_torch_add_on_cuda():
+    src, slots = _case(1024, 8, 2048, 0.1, seed=3, device="cuda", dtype=torch.bfloat16)
+    base = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 4
+    out = torch.full((1024, 2048), math.nan, device="cuda", dtype=torch.bfloat16)
+    combine.gather_combine(src, slots, out, base)
+    assert torch.equal(out, base + combine_ref(src, slots))

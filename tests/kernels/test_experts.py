@@ -102,3 +102,29 @@ def test_cuda_tile_configs_fit_hopper(E, H, F, k, T):
         assert min(c.block_m, c.block_n, c.block_k) >= 16 and c.num_warps in (4, 8), (name, c)
         if not name.startswith("wgrad"):
             assert cfg.route_block % c.block_m == 0, (name, c)
+
+
+@pytest.mark.parametrize("kind,T,k,E,H,F", [CASES[0], CASES[3]])
+def test_residual_rides_the_combine_with_the_bits_of_adding_it_after(kind, T, k, E, H, F):
+    """permute_free_experts(..., residual=r) is r + permute_free_experts(...) bit for bit, and
+    r's gradient is the output's."""
+    from moegraph_cli.moe.experts import permute_free_experts
+    from moegraph_cli.moe.routing import local_dispatch
+
+    x, ids, w, w_gate_up, w_down, dout = _inputs(kind, T, k, E, H, F, seed=11)
+    r = torch.randn(T, H, generator=torch.Generator().manual_seed(12))
+
+    def run(fold):
+        leaves = [t.clone().requires_grad_() for t in (x, w, w_gate_up, w_down, r)]
+        dispatch = local_dispatch(ids, leaves[1], E, None)
+        with poisoned_scratch():
+            y = permute_free_experts(leaves[0], ids, *leaves[1:4], dispatch,
+                                     residual=leaves[4] if fold else None)
+            if not fold:
+                y = leaves[4] + y
+            return [y.detach(), *torch.autograd.grad(y, leaves, dout)]
+
+    got, want = run(True), run(False)
+    for name, g, ref in zip(NAMES + ["dresidual"], got, want):
+        assert torch.equal(g, ref), name
+    assert torch.equal(got[-1], dout)

@@ -12,7 +12,9 @@ With `moe.bias_update_rate` > 0 the grouped router also counts its routes per ex
 device (`expert_load`); `update_router_bias_` applies the bias rule after the step. It returns the layer output and the layer's `[2, E]` load-balancing statistics, an
 extra output so the scope stays a pure tensors-in/tensors-out unit that can be graphed.
 The experts run through `reference_experts` (pure torch, the CPU path) or
-`permute_free_experts` (Triton, sync-free, the CUDA path); both have one signature.
+`permute_free_experts` (Triton, sync-free, the CUDA path); both have one signature. Without
+EP or a shared expert the residual is handed to them (`residual=`): the permute-free combine
+kernel adds it in the same pass, the same bits as the add after (MOEGRAPH_COMBINE_RESIDUAL).
 With expert parallelism (`ep`) the scope holds only its EP rank's experts and the dispatch
 and combine collectives run inside it (moe/ep.py), so a captured moe graph contains them; the
 rows the bounded all-to-all could not send are added to `ep_overflow_rows` on the device (the
@@ -21,6 +23,7 @@ Routes dropped by capacity are counted on the device in `dropped_routes` (no syn
 """
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +40,11 @@ from ...moe.routing import (aux_stats, expert_load_E, local_dispatch, route, rou
 from .linear import Linear
 from .norm import RMSNorm
 from .recompute import Scope, recomputing
+
+
+# MOEGRAPH_COMBINE_RESIDUAL=0: the MoE layer's residual add runs after the experts, as its
+# own elementwise pass, instead of inside their combine (the same bits either way).
+COMBINE_RESIDUAL = os.environ.get("MOEGRAPH_COMBINE_RESIDUAL", "1") not in ("0", "")
 
 
 def experts_fn(backend: str, device: torch.device, recompute_fc1: bool = False):
@@ -151,9 +159,15 @@ class MoeScope(Scope):
         else:
             dispatch = local_dispatch(topk_ids_TK, topk_weights_TK, self.w_gate_up.shape[0],
                                       self.capacity_factor)
+            # Without a shared expert the residual add rides the experts' combine (the same
+            # bits as adding it here, one pass over [T, H] fewer); with one, skip + (experts +
+            # shared) keeps its order below.
+            fold = COMBINE_RESIDUAL and self.shared_expert is None
             y_TH = experts(x_TH, topk_ids_TK, topk_weights_TK, self.w_gate_up, self.w_down,
                            dispatch, b_gate_up=self.b_gate_up, b_down=self.b_down,
-                           act=self.act or SWIGLU)
+                           act=self.act or SWIGLU, residual=skip if fold else None)
+            if fold:
+                skip = None
             dropped = None if dispatch.keep_TK is None else (~dispatch.keep_TK).sum()
         if dropped is not None and not recomputing():
             self.dropped_routes.add_(dropped.reshape(1))
@@ -161,7 +175,8 @@ class MoeScope(Scope):
             y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
         elif self.shared_expert is not None:
             y_TH = y_TH + self.shared_expert(x_TH)
-        return skip + y_TH.view(batch, seq, hidden), aux_stats(topk_ids_TK, probs_TE)
+        y_BSH = y_TH.view(batch, seq, hidden)
+        return y_BSH if skip is None else skip + y_BSH, aux_stats(topk_ids_TK, probs_TE)
 
 
 def _bias_in_model_dtype(module, state_dict, prefix, _metadata):
