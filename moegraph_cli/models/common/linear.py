@@ -7,8 +7,9 @@ The bias gradient is the column sum of dy, deposited likewise.
 
 `Linear(x, residual=r)`: r + F.linear(x, w) as one GEMM with beta = 1 (the residual add in the
 GEMM's epilogue: fp32 accumulation and one rounding, where the add after the GEMM rounds
-twice, and one pass fewer over [rows, out]); its backward hands dy to the residual as it is.
-Without a bias only (with one, the add stays separate); opt-in (MOEGRAPH_RESIDUAL_GEMM=1).
+twice; torch.addmm copies r into its output first, so no pass over [rows, out] is saved); its
+backward hands dy to the residual as it is. Without a bias only (with one, the add stays
+separate); opt-in (MOEGRAPH_RESIDUAL_GEMM=1, measured below).
 
 `projections(x, linears)`: several Linears of one input (attention's q, k and v) as one
 autograd node. Forward: each F.linear, unchanged. Backward: dx = sum_i dy_i @ w_i as one GEMM
