@@ -9,6 +9,8 @@ interpreter. (tests/kernels/test_compile_report_script.py lowers the kernel for 
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from test_wgrad_variants import CASES, CPU_CFG, _both_dw, _problem
@@ -155,3 +157,107 @@ def test_expert_wgrad_takes_the_warp_specialized_kernel_where_asked(fails, monke
     assert wg.LAST_WGRAD_WS == {True: not fails, False: not fails}
     for (g, _), (w, _) in zip(got, want):
         assert torch.equal(g, w)
+
+
+# The 384-wide tile (MOEGRAPH_WGRAD_WIDE): the slot-order side as a 256- and a 128-wide part.
+WIDE_TILES = {True: (128, 384), False: (384, 128)}  # dW_down's, dW_gate_up's
+
+
+def _wide(slot_order_l: bool, n: int, monkeypatch):
+    monkeypatch.setattr(wg, "WIDE", True)
+    return wg.wgrad_config(n, torch.device("cuda"), 1024.0, slot_order_l=slot_order_l)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize("case", SHAPES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_wide_tile_is_bitwise_the_triton_kernel(case, monkeypatch):
+    """The same sums, K step by K step, as the Triton kernel's 256-wide tile: bitwise equal,
+    every element written, empty experts exact zeros; where 384 does not divide the weight the
+    kernel runs its 256-wide tile."""
+    _, T, k, E, H, F = case
+    cuda = torch.device("cuda")
+    problem = _problem(case, None, "cuda", torch.bfloat16, route_block_m(T * k, E, cuda))
+    empty = problem[4].expert_counts == 0
+    for slot_order_l, n in ((False, F), (True, H)):
+        tile = _wide(slot_order_l, n, monkeypatch)
+        assert (tile.block_m, tile.block_n) == WIDE_TILES[not slot_order_l] or n % 384, tile
+        want = _both_dw(problem, wg._triton_tile(tile)._replace(warp_specialize=False), True,
+                        monkeypatch)
+        got = _both_dw(problem, tile, True, monkeypatch)
+        ran = dict(wg.LAST_WGRAD_WS_TILE)
+        torch.cuda.synchronize()
+        for gather_l, (g, _), (w, _) in zip((True, False), got, want):
+            m_, n_ = (H, F) if gather_l else (2 * F, H)
+            wide = WIDE_TILES[gather_l]
+            expect = wide if m_ % wide[0] == 0 and n_ % wide[1] == 0 else \
+                wg._triton_tile(tile._replace(block_m=wide[0], block_n=wide[1]))[:2]
+            if wg.LAST_WGRAD_WS[gather_l]:
+                assert ran[gather_l] == tuple(expect), (gather_l, ran)
+            assert torch.isfinite(g).all(), (gather_l, tile)
+            assert (g[empty] == 0).all(), (gather_l, tile)
+            assert torch.equal(g, w), (
+                f"gather_l={gather_l} {ran.get(gather_l)}: max |diff| "
+                f"{(g.float() - w.float()).abs().max().item():.3e}")
+
+
+def test_the_wide_tile_splits_its_slot_order_side():
+    """slot_parts: 384 as 256 + 128, a power of two up to 256 whole, anything else refused;
+    the boxes of each part, and `fits` for 384-wide tiles."""
+    assert ws.slot_parts(384) == (256, 128)
+    assert ws.slot_parts(256) == (256, 0) and ws.slot_parts(64) == (64, 0)
+    assert ws.slot_parts(192) is None and ws.slot_parts(512) is None
+    down = ws.layout(128, 384, 64, True)
+    assert (down.s_box, down.x_box, down.dw_box, down.dwx_box, down.extra) == \
+        ((64, 256), (64, 128), (128, 256), (128, 128), 128)
+    up = ws.layout(384, 128, 32, False)
+    assert (up.s_box, up.x_box, up.dw_box, up.dwx_box, up.extra) == \
+        ((32, 256), (32, 128), (256, 128), (128, 128), 128)
+    assert up.producer_regs < ws.layout(256, 128, 64, False).producer_regs
+    bf = torch.bfloat16
+    x, dy1 = torch.zeros(64, 512, dtype=bf), torch.zeros(64, 768, dtype=bf)
+    out = torch.zeros(4, 768, 512, dtype=bf)  # dW_gate_up: M = 2F = 768, N = H = 512
+    assert ws.fits(dy1, x, out, False, True, 384, 128, 64, False)
+    assert not ws.fits(dy1, x, torch.zeros(4, 512, 512, dtype=bf), False, True, 384, 128, 64,
+                       False)  # 384 does not divide M
+    assert not ws.fits(dy1, x, out, False, True, 256, 384, 64, False)  # gathered side 384
+    assert not ws.fits(dy1, x, torch.zeros(4, 768, 576, dtype=bf), False, True, 192, 192, 64,
+                       False)  # 192 is neither a power of two nor 256 + 128
+
+
+def test_the_wide_tile_is_asked_only_where_switched_on(monkeypatch):
+    """MOEGRAPH_WGRAD_WIDE: 384 on the slot-order side at the long loops; the Triton kernel
+    and the short loops keep their tiles."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(wg, "WIDE", False)
+    assert wg.wgrad_config(768, cuda, 1024.0)[:2] == (128, 256)
+    assert wg.wgrad_config(2048, cuda, 1024.0, slot_order_l=True)[:2] == (256, 128)
+    down, up = _wide(False, 768, monkeypatch), _wide(True, 2048, monkeypatch)
+    assert down[:3] == (128, 384, wg.WIDE_K) and down.num_stages == wg.WIDE_STAGES
+    assert up[:3] == (384, 128, wg.WIDE_K) and up.warp_specialize
+    assert _wide(False, 512, monkeypatch)[:2] == (128, 256)  # 384 does not divide N
+    assert _wide(True, 2048, monkeypatch) != wg.wgrad_config(2048, cuda, 64.0, True)
+    assert wg._triton_tile(up)[:2] == (256, 128) and wg._triton_tile(up).num_stages == 3
+    assert wg._triton_tile(down)[:2] == (128, 256)
+    monkeypatch.setattr(wg, "WARP_SPECIALIZED", False)
+    assert wg.wgrad_config(768, cuda, 1024.0)[:2] == (128, 256)
+
+
+def test_the_gluon_launch_narrows_a_wide_tile_that_does_not_divide(monkeypatch):
+    """On the CPU with the GPU checks stubbed: the 384-wide tile where 384 divides the
+    slot-order side of dW, else the kernel's 256-wide tile."""
+    monkeypatch.setattr(ws, "available", lambda device: True)
+    tiles = []
+    monkeypatch.setattr(ws, "expert_wgrad_ws",
+                        lambda *a: tiles.append((a[9], a[10], a[12], a[13])))
+    monkeypatch.setattr(gl, "_FAILED_VARIANTS", {})
+    bf = torch.bfloat16
+    routes = types.SimpleNamespace(slot_token=None, expert_starts=None, expert_counts=None,
+                                   token_slots=torch.zeros(8, 1), num_slots=64)
+    up = _wide(True, 512, monkeypatch)
+    for m in (768, 512):  # 2F: 384 divides 768, not 512
+        l_rows, r_rows = torch.zeros(64, m, dtype=bf), torch.zeros(64, 512, dtype=bf)
+        assert wg._warp_specialized(l_rows, r_rows, routes, torch.zeros(2, m, 512, dtype=bf),
+                                    False, True, up, False)
+    assert tiles == [(384, 128, 4, wg.WIDE_STAGES), (256, 128, 4, 3)]
+    assert wg.LAST_WGRAD_WS_TILE[False] == (256, 128)
