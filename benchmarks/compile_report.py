@@ -166,17 +166,15 @@ def wgrad_source(cfg, down: bool, route_block: int):
 
 def wgrad_ws_source(cfg, down: bool):
     """wgrad_ws.py's warp-specialized kernel (expert_wgrad's choice on a Hopper GPU where cfg
-    asks for warp_specialize): the slot-order operand's TMA boxes, the TMA stores."""
+    asks for warp_specialize): the slot-order operand's TMA box, the TMA store."""
     from moegraph_kernels import wgrad_ws as ws
     fn = ws._wgrad_ws_kernel
-    lay = ws.layout(cfg.block_m, cfg.block_n, cfg.block_k, down)
     consts = dict(GATHER_L=down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  GROUP_M=cfg.group_m, STAGES=cfg.num_stages, EXTRA=lay.extra,
-                  PRODUCER_WARPS=ws.PRODUCER_WARPS, PRODUCER_REGS=lay.producer_regs,
-                  num_warps=ws.CONSUMER_WARPS)
-    types = {"s_desc": _gluon_desc(lay.s_box), "x_desc": _gluon_desc(lay.x_box),
-             "g_ptr": "*bf16", "dw_desc": _gluon_desc(lay.dw_box),
-             "dwx_desc": _gluon_desc(lay.dwx_box)}
+                  GROUP_M=cfg.group_m, STAGES=cfg.num_stages, PRODUCER_WARPS=ws.PRODUCER_WARPS,
+                  PRODUCER_REGS=ws.PRODUCER_REGS, num_warps=ws.CONSUMER_WARPS)
+    s_box = (cfg.block_k, cfg.block_n) if down else (cfg.block_k, cfg.block_m)
+    types = {"s_desc": _gluon_desc(s_box), "g_ptr": "*bf16",
+             "dw_desc": _gluon_desc((cfg.block_m, cfg.block_n))}
     return _source(fn, consts, types), cfg._replace(num_warps=ws.CONSUMER_WARPS)
 
 

@@ -70,15 +70,6 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         for name, c in (("ws", ws), ("ws_s2", ws._replace(num_stages=2)),
                         ("ws_g8", ws._replace(group_m=8))):
             out += [(name, c, True)] if c not in [o[1] for o in out] else []
-        if block >= 128:
-            # Its 384-wide tile (the slot-order side: dW_gate_up's M, dW_down's N), K tiles of
-            # 64 in 2 stages or of 32 in 3 or 4 (what fits beside its store buffers).
-            side = {"block_m": 384} if kernel == "wgrad_gate_up" else {"block_n": 384}
-            wide = ws._replace(**side)
-            for name, bk, stages in (("ws_wide", 64, 2), ("ws_wide_k32s4", 32, 4),
-                                     ("ws_wide_k32s3", 32, 3)):
-                c = wide._replace(block_k=bk, num_stages=stages)
-                out += [(name, c, True)] if c not in [o[1] for o in out] else []
         out += [("persistent", plain._replace(persistent=True), True),
                 ("tmastore", plain._replace(store_tma=True), True),
                 ("persistent+tmastore", plain._replace(persistent=True, store_tma=True), True)]

@@ -73,8 +73,6 @@ LAST_WGRAD_PLAN: dict[bool, tuple[bool, bool]] = {}
 LAST_WGRAD_STORE: dict[bool, tuple[bool, bool]] = {}
 # Whether the latest launch ran the warp-specialized Gluon kernel (wgrad_ws.py), same keys.
 LAST_WGRAD_WS: dict[bool, bool] = {}
-# ... and the (block_m, block_n) it ran, where it ran.
-LAST_WGRAD_WS_TILE: dict[bool, tuple[int, int]] = {}
 
 # The long-loop tiles' two variants (`wgrad_config`): `GemmConfig.persistent`, one program an
 # SM over the tiles (each tile's K loop as before), and `GemmConfig.store_tma`, the tile
@@ -92,15 +90,6 @@ STORE_TMA = flag_from_env("MOEGRAPH_WGRAD_TMA_STORE", None)
 # dW_down 0.495 -> 0.413, 0.840 -> 0.777, 1.535 -> 1.442; the H100 likewise
 # (kernel_sweep_ws_h100.json). MOEGRAPH_WGRAD_WS=0 keeps the Triton kernel.
 WARP_SPECIALIZED = flag_from_env("MOEGRAPH_WGRAD_WS", True)
-
-# The warp-specialized kernel's 384-wide tile (wgrad_ws.py: the slot-order side as a 256- and
-# a 128-wide part, 192 accumulator registers a consumer thread): 384 x 128 for dW_gate_up and
-# 128 x 384 for dW_down, K tiles of WIDE_K in WIDE_STAGES stages (what fits beside its two
-# store buffers). It reads 11% fewer operand bytes a FLOP than the 256-wide tile.
-# MOEGRAPH_WGRAD_WIDE=1 asks for it; the Triton kernel, where the Gluon one does not run,
-# keeps the 256-wide tile (`_triton_tile`).
-WIDE = flag_from_env("MOEGRAPH_WGRAD_WIDE", False)
-WIDE_K, WIDE_STAGES = 64, 2
 
 
 def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None = None,
@@ -137,15 +126,6 @@ def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None =
         # -> 3.142 / 3.207 persistent alone against 3.153 / 3.432 with it: its store is kept
         # to the shorter loops (at most 1024 slots an expert).
         wide = wide._replace(warp_specialize=WARP_SPECIALIZED)
-        if WIDE and WARP_SPECIALIZED and n % 384 == 0 and not slot_order_l:
-            return _forced(wide._replace(block_m=128, block_n=384, block_k=WIDE_K,
-                                         num_stages=WIDE_STAGES, persistent=True,
-                                         store_tma=True))
-        if WIDE and WARP_SPECIALIZED and slot_order_l:
-            # dW_gate_up's M (2F) is not known here: wgrad_ws.fits refuses a 384 that does
-            # not divide it, and the Triton kernel then runs the 256-wide tile.
-            return _forced(wide._replace(block_m=384, block_k=WIDE_K, num_stages=WIDE_STAGES,
-                                         persistent=True, store_tma=True))
         if slot_order_l:
             store = routes_per_expert is None or routes_per_expert <= 1024
             return _forced(wide._replace(persistent=True, store_tma=store))
@@ -286,7 +266,6 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
             and _warp_specialized(l_rows, r_rows, routes, out_EMN, gather_l, gather_r, cfg,
                                   accumulate)):
         return out_EMN
-    cfg = _triton_tile(cfg)
     l_desc = r_desc = None
     if padded and cfg.tma and tma.tma_available(l_rows.device):
         # The slot-order operand (there is one: a gathered one has no rows to box) by TMA.
@@ -327,15 +306,10 @@ def _warp_specialized(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool
     (True); False (nothing written) otherwise, or where its launch fails
     (gemm_launch.gluon_launch: then the Triton kernel)."""
     _, m, n = out_EMN.shape
-    if not wgrad_ws.available(l_rows.device):
+    if not (wgrad_ws.available(l_rows.device)
+            and wgrad_ws.fits(l_rows, r_rows, out_EMN, gather_l, gather_r, cfg.block_m,
+                              cfg.block_n, cfg.block_k, accumulate)):
         return False
-    # The 384-wide tile where it divides the weight, else the 256-wide one.
-    fitting = [c for c in dict.fromkeys((cfg, _triton_tile(cfg)))
-               if wgrad_ws.fits(l_rows, r_rows, out_EMN, gather_l, gather_r, c.block_m,
-                                c.block_n, c.block_k, accumulate)]
-    if not fitting:
-        return False
-    cfg = fitting[0]
     ran = gl.gluon_launch("wgrad", (cfg, gather_l, l_rows.dtype, m, n),
                           lambda: wgrad_ws.expert_wgrad_ws(
                               l_rows, r_rows, routes.slot_token, routes.expert_starts,
@@ -347,19 +321,7 @@ def _warp_specialized(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool
         LAST_WGRAD_PLAN[gather_l] = (True, True)
         LAST_WGRAD_STORE[gather_l] = (True, True)
         LAST_WGRAD_WS[gather_l] = True
-        LAST_WGRAD_WS_TILE[gather_l] = (cfg.block_m, cfg.block_n)
     return ran
-
-
-def _triton_tile(cfg: GemmConfig) -> GemmConfig:
-    """The Triton kernel's tile for cfg: a side over 256 (the Gluon kernel's 384) becomes
-    256, with the 3 stages of the 256-wide tile, where the Gluon kernel did not take the
-    launch (not a Hopper GPU, an accumulating launch); also the Gluon kernel's own tile
-    where 384 does not divide the weight."""
-    if max(cfg.block_m, cfg.block_n) <= 256:
-        return cfg
-    return cfg._replace(block_m=min(cfg.block_m, 256), block_n=min(cfg.block_n, 256),
-                        num_stages=3)
 
 
 def _out_desc(out_EMN, cfg: GemmConfig, accumulate: bool):

@@ -27,8 +27,6 @@ can run; the launcher (wgrad.expert_wgrad) falls back to the Triton kernel other
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from .fp_fusion import FUSED
 from .gluon_hopper import GL_DTYPES, GLUON, available, descriptor, rows_aligned  # noqa: F401
 from .slot_schedule import grouped_pid
@@ -40,24 +38,8 @@ if GLUON:
 
 
 # The launch's partitions: the default one (the two consumer warpgroups) and the producer,
-# with the producer's register budget (the consumers get the rest). A 384-wide tile keeps
-# 192 fp32 accumulator registers a consumer thread: its producer gets WIDE_PRODUCER_REGS,
-# leaving the consumers (65536 - 128 * WIDE_PRODUCER_REGS) / 256.
-CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_REGS, WIDE_PRODUCER_REGS = 8, 4, 96, 40
-# The slot-order side of a tile: a power of two up to MAIN_SIDE, or MAIN_SIDE + EXTRA_SIDE
-# (384), held as two parts (Triton's blocks are powers of two; a wgmma and a TMA box are at
-# most 256 wide): a 256-wide part and a 128-wide one, each with its own shared buffers,
-# accumulator and store. The gathered side is shared by both parts' wgmma.
-MAIN_SIDE, EXTRA_SIDE = 256, 128
-
-
-def slot_parts(side: int) -> tuple[int, int] | None:
-    """(main, extra) widths of a slot-order side, None where this kernel cannot take it."""
-    if side == MAIN_SIDE + EXTRA_SIDE:
-        return MAIN_SIDE, EXTRA_SIDE
-    if side <= MAIN_SIDE and side & (side - 1) == 0:
-        return side, 0
-    return None
+# with the producer's register budget (the consumers get the rest).
+CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 4, 96
 
 
 if GLUON:
@@ -71,17 +53,11 @@ if GLUON:
         return tile // per_expert, pid_m, pid_n
 
     @gluon.jit
-    def _producer(s_desc, x_desc, g_ptr, stride_g, slot_token_ptr, expert_start_ptr,
-                  expert_count_ptr, s_bufs, x_bufs, g_bufs, ready_s, ready_g, empty, M, N,
-                  num_tokens, num_slots, num_tiles, GATHER_L: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, EXTRA: gl.constexpr):
+    def _producer(s_desc, g_ptr, stride_g, slot_token_ptr, expert_start_ptr, expert_count_ptr,
+                  s_bufs, g_bufs, ready_s, ready_g, empty, M, N, num_tokens, num_slots,
+                  num_tiles, GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr):
         STAGES: gl.constexpr = s_bufs.shape[0]
-        MAIN: gl.constexpr = s_bufs.shape[2]
-        if EXTRA > 0:
-            STAGE_BYTES: gl.constexpr = s_desc.block_type.nbytes + x_desc.block_type.nbytes
-        else:
-            STAGE_BYTES: gl.constexpr = s_desc.block_type.nbytes
         G_COLS: gl.constexpr = BLOCK_M if GATHER_L else BLOCK_N
         TPW_C: gl.constexpr = G_COLS // 8 if G_COLS // 8 < 32 else 32
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_C, TPW_C],
@@ -124,10 +100,8 @@ if GLUON:
                 phase = (it // STAGES) & 1
                 mbarrier.wait(empty.index(stage), phase ^ 1)
                 bar_s = ready_s.index(stage)
-                mbarrier.expect(bar_s, STAGE_BYTES)
+                mbarrier.expect(bar_s, s_desc.block_type.nbytes)
                 tma_load(s_desc, [start + k0, s_col], bar_s, s_bufs.index(stage))
-                if EXTRA > 0:
-                    tma_load(x_desc, [start + k0, s_col + MAIN], bar_s, x_bufs.index(stage))
                 ptrs = (g_ptr + tok.to(gl.int64)[:, None] * stride_g
                         + (g_col + offs_c)[None, :])
                 mask = (tok < num_tokens)[:, None] & g_ok[None, :]
@@ -144,32 +118,20 @@ if GLUON:
             pid_n = n_pid_n
 
     @gluon.jit
-    def _consumer(dw_desc, dwx_desc, expert_count_ptr, s_bufs, x_bufs, g_bufs, ready_s,
-                  ready_g, empty, out_buf, out_x, M, N, num_tiles, GATHER_L: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, EXTRA: gl.constexpr, num_warps: gl.constexpr):
+    def _consumer(dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty, out_buf,
+                  M, N, num_tiles, GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  num_warps: gl.constexpr):
         STAGES: gl.constexpr = s_bufs.shape[0]
-        # The main part's accumulator, and the extra part's (the slot-order side's last
-        # EXTRA rows or columns of the tile).
-        ACC_M: gl.constexpr = BLOCK_M if GATHER_L else BLOCK_M - EXTRA
-        ACC_N: gl.constexpr = BLOCK_N - EXTRA if GATHER_L else BLOCK_N
-        X_M: gl.constexpr = BLOCK_M if GATHER_L else EXTRA
-        X_N: gl.constexpr = EXTRA if GATHER_L else BLOCK_N
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, ACC_N, 16])
-        x_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, X_N, 16])
-        # wgmma groups a K step: the previous step's are done when at most this many remain.
-        PER_STEP: gl.constexpr = 2 if EXTRA > 0 else 1
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
         tiles_m = gl.cdiv(M, BLOCK_M)
         tiles_n = gl.cdiv(N, BLOCK_N)
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
             count = gl.load(expert_count_ptr + expert)
-            acc = gl.zeros((ACC_M, ACC_N), gl.float32, acc_layout)
-            if EXTRA > 0:
-                acc_x = gl.zeros((X_M, X_N), gl.float32, x_layout)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
             prev = 0
             for k0 in range(0, count, BLOCK_K):
                 stage = it % STAGES
@@ -177,50 +139,29 @@ if GLUON:
                 await_gathered_stage(ready_s, ready_g, stage, phase)
                 if GATHER_L:
                     a = g_bufs.index(stage).permute((1, 0))
-                    acc = warpgroup_mma(a, s_bufs.index(stage), acc, is_async=True)
-                    if EXTRA > 0:
-                        acc_x = warpgroup_mma(a, x_bufs.index(stage), acc_x, is_async=True)
+                    b = s_bufs.index(stage)
                 else:
+                    a = s_bufs.index(stage).permute((1, 0))
                     b = g_bufs.index(stage)
-                    acc = warpgroup_mma(s_bufs.index(stage).permute((1, 0)), b, acc,
-                                        is_async=True)
-                    if EXTRA > 0:
-                        acc_x = warpgroup_mma(x_bufs.index(stage).permute((1, 0)), b, acc_x,
-                                              is_async=True)
-                if EXTRA > 0:
-                    acc, acc_x = warpgroup_mma_wait(num_outstanding=PER_STEP, deps=[acc, acc_x])
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=PER_STEP, deps=[acc])
+                acc = warpgroup_mma(a, b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
                 # The wgmma before this one has read its stage: hand it back.
                 mbarrier.arrive(empty.index(prev), pred=k0 > 0)
                 prev = stage
                 it += 1
-            if EXTRA > 0:
-                acc, acc_x = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_x])
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             mbarrier.arrive(empty.index(prev), pred=count > 0)
-            tma.store_wait(0)  # the last tile's stores have left out_buf and out_x
-            row = expert * M + pid_m * BLOCK_M
-            col = pid_n * BLOCK_N
+            tma.store_wait(0)  # the last tile's store has left out_buf
             out_buf.store(acc.to(dw_desc.dtype))
-            if EXTRA > 0:
-                out_x.store(acc_x.to(dw_desc.dtype))
             fence_async_shared()
-            tma_store(dw_desc, [row, col], out_buf)
-            if EXTRA > 0:
-                if GATHER_L:
-                    tma_store(dwx_desc, [row, col + ACC_N], out_x)
-                else:
-                    tma_store(dwx_desc, [row + ACC_M, col], out_x)
+            tma_store(dw_desc, [expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N], out_buf)
         tma.store_wait(0)
 
     @gluon.jit
-    def _wgrad_ws_kernel(s_desc, x_desc, g_ptr, dw_desc, dwx_desc, slot_token_ptr,
-                         expert_start_ptr, expert_count_ptr, M, N, num_tokens, num_slots,
-                         num_tiles, stride_g, GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, EXTRA: gl.constexpr,
+    def _wgrad_ws_kernel(s_desc, g_ptr, dw_desc, slot_token_ptr, expert_start_ptr,
+                         expert_count_ptr, M, N, num_tokens, num_slots, num_tiles, stride_g,
+                         GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                          num_warps: gl.constexpr):
         dtype: gl.constexpr = s_desc.dtype
@@ -230,15 +171,6 @@ if GLUON:
         g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, G_COLS], dtype)
         g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, G_COLS], g_layout)
         out_buf = gl.allocate_shared_memory(dtype, dw_desc.block_type.shape, dw_desc.layout)
-        # The extra part's buffers; without one, the main part's stand in (never read).
-        if EXTRA > 0:
-            x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape,
-                                               x_desc.layout)
-            out_x = gl.allocate_shared_memory(dtype, dwx_desc.block_type.shape,
-                                              dwx_desc.layout)
-        else:
-            x_bufs = s_bufs
-            out_x = out_buf
         ready_s = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_g = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -248,38 +180,14 @@ if GLUON:
             mbarrier.init(ready_g.index(i), count=PRODUCER_WARPS * 32)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (dw_desc, dwx_desc, expert_count_ptr, s_bufs, x_bufs, g_bufs,
-                         ready_s, ready_g, empty, out_buf, out_x, M, N, num_tiles, GATHER_L,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EXTRA, num_warps)),
-            (_producer, (s_desc, x_desc, g_ptr, stride_g, slot_token_ptr, expert_start_ptr,
-                         expert_count_ptr, s_bufs, x_bufs, g_bufs, ready_s, ready_g, empty, M,
-                         N, num_tokens, num_slots, num_tiles, GATHER_L, BLOCK_M, BLOCK_N,
-                         BLOCK_K, GROUP_M, EXTRA)),
+            (_consumer, (dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty,
+                         out_buf, M, N, num_tiles, GATHER_L, BLOCK_M, BLOCK_N, BLOCK_K,
+                         GROUP_M, num_warps)),
+            (_producer, (s_desc, g_ptr, stride_g, slot_token_ptr, expert_start_ptr,
+                         expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty, M, N,
+                         num_tokens, num_slots, num_tiles, GATHER_L, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
-
-
-class Layout(NamedTuple):
-    """A launch's boxes: the slot-order operand's main and extra parts (s_box, x_box: [BK,
-    width]) and dW's (dw_box, dwx_box: the tile's first `main` and last `extra` columns for
-    dW_down, whose slot-order side is N, or rows for dW_gate_up); without an extra part its
-    boxes repeat the main part's (never used)."""
-    s_box: tuple[int, int]
-    x_box: tuple[int, int]
-    dw_box: tuple[int, int]
-    dwx_box: tuple[int, int]
-    extra: int
-    producer_regs: int
-
-
-def layout(block_m: int, block_n: int, block_k: int, gather_l: bool) -> Layout:
-    """The boxes and producer registers of a tile this kernel takes (`fits`)."""
-    main, extra = slot_parts(block_n if gather_l else block_m)
-    dw_box, dwx_box = (((block_m, main), (block_m, extra)) if gather_l
-                       else ((main, block_n), (extra, block_n)))
-    if not extra:
-        return Layout((block_k, main), (block_k, main), dw_box, dw_box, 0, PRODUCER_REGS)
-    return Layout((block_k, main), (block_k, extra), dw_box, dwx_box, extra,
-                  WIDE_PRODUCER_REGS)
 
 
 def fits(l_rows, r_rows, out_EMN, gather_l: bool, gather_r: bool, block_m: int,
@@ -294,9 +202,7 @@ def fits(l_rows, r_rows, out_EMN, gather_l: bool, gather_r: bool, block_m: int,
     if dtype not in GL_DTYPES or l_rows.dtype != dtype or r_rows.dtype != dtype:
         return False
     _, m, n = out_EMN.shape
-    slot_side, gathered_side = (block_n, block_m) if gather_l else (block_m, block_n)
-    if (m % block_m or n % block_n or slot_parts(slot_side) is None
-            or gathered_side > MAIN_SIDE or gathered_side & (gathered_side - 1)):
+    if m % block_m or n % block_n:
         return False
     return rows_aligned(l_rows, r_rows, out_EMN.view(-1, n))
 
@@ -307,18 +213,15 @@ def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, nu
     """Fill out_EMN [E, M, N] with wgrad.expert_wgrad's sums (see `fits` for the cases)."""
     num_experts, m, n = out_EMN.shape
     s_rows, g_rows = (r_rows, l_rows) if gather_l else (l_rows, r_rows)
-    lay = layout(block_m, block_n, block_k, gather_l)
-    dw_rows = out_EMN.view(num_experts * m, n)
-    s_desc, dw_desc = descriptor(s_rows, lay.s_box), descriptor(dw_rows, lay.dw_box)
-    x_desc, dwx_desc = ((descriptor(s_rows, lay.x_box), descriptor(dw_rows, lay.dwx_box))
-                        if lay.extra else (s_desc, dw_desc))
+    s_box = (block_k, block_n) if gather_l else (block_k, block_m)
+    s_desc = descriptor(s_rows, s_box)
+    dw_desc = descriptor(out_EMN.view(num_experts * m, n), (block_m, block_n))
     num_tiles = num_experts * (m // block_m) * (n // block_n)
     grid = (min(num_tiles, num_programs),)
     _wgrad_ws_kernel[grid](
-        s_desc, x_desc, g_rows, dw_desc, dwx_desc, slot_token, expert_starts, expert_counts, m,
-        n, num_tokens, num_slots, num_tiles, g_rows.stride(0),
+        s_desc, g_rows, dw_desc, slot_token, expert_starts, expert_counts, m, n,
+        num_tokens, num_slots, num_tiles, g_rows.stride(0),
         GATHER_L=gather_l, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        STAGES=stages, EXTRA=lay.extra, PRODUCER_WARPS=PRODUCER_WARPS,
-        PRODUCER_REGS=lay.producer_regs,
+        STAGES=stages, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, enable_fp_fusion=FUSED)
     return out_EMN

@@ -67,24 +67,6 @@ def test_every_product_expert_kernel_compiles_for_hopper():
 
 
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no NVIDIA backend / ptxas")
-@pytest.mark.parametrize("kernel,spec", [("wgrad_gate_up", "384x128x64x4x8x2"),
-                                         ("wgrad_down", "128x384x32x4x8x4")])
-def test_the_wide_gluon_dw_tile_compiles_for_hopper(kernel, spec):
-    """The warp-specialized dW at its 384-wide tile (MOEGRAPH_WGRAD_WIDE): the slot-order
-    side's 256- and 128-wide parts each with its stages and store buffer, within an SM's
-    227 KB of shared memory and without a spill at 192 accumulator registers a thread."""
-    out = _run(kernel, "--tokens", "8192", "--spec", spec, "--json")
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    doc = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "error" not in doc and doc["variant"] == "tma+persistent+ws+store", doc
-    assert doc["spill_store_bytes"] == 0 and doc["shared_bytes"] <= 227 * 1024, doc
-    stages, bk = doc["tile"][5], doc["tile"][2]
-    assert f"{stages}x{bk}x256 bf16" in doc["buffers"], doc
-    assert doc["buffers"].count(f"{stages}x{bk}x128 bf16") == 2, doc  # gathered, extra part
-    assert "128x128 bf16" in doc["buffers"], doc  # the extra part's store buffer
-
-
-@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no NVIDIA backend / ptxas")
 def test_the_gluon_fc1_compiles_for_hopper():
     """The opt-in warp-specialized FC1 (fc1_swiglu_ws.py) at the product's 128-row tile: 3
     stages of a [2 BN, BK] gate/up buffer beside the two [BM, BN] hand-off buffers (gate and
