@@ -70,6 +70,13 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         for name, c in (("ws", ws), ("ws_s2", ws._replace(num_stages=2)),
                         ("ws_g8", ws._replace(group_m=8))):
             out += [(name, c, True)] if c not in [o[1] for o in out] else []
+        # The tile straight from the registers (`direct_store`), at the same 3 stages, at the
+        # 4 its staging buffer's room allows, and at 8 of half the K tile.
+        direct = ws._replace(direct_store=True)
+        for name, c in (("ws_d3", direct._replace(num_stages=3)),
+                        ("ws_d4", direct._replace(num_stages=4)),
+                        ("ws_d8k32", direct._replace(num_stages=8, block_k=32))):
+            out += [(name, c, True)] if c not in [o[1] for o in out] else []
         out += [("persistent", plain._replace(persistent=True), True),
                 ("tmastore", plain._replace(store_tma=True), True),
                 ("persistent+tmastore", plain._replace(persistent=True, store_tma=True), True)]

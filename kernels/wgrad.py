@@ -316,7 +316,7 @@ def _warp_specialized(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool
                               routes.expert_counts, routes.token_slots.shape[0],
                               routes.num_slots, out_EMN, gather_l, cfg.block_m, cfg.block_n,
                               cfg.block_k, cfg.group_m, cfg.num_stages,
-                              tma.num_programs(l_rows.device)))
+                              tma.num_programs(l_rows.device), cfg.direct_store))
     if ran:
         LAST_WGRAD_PLAN[gather_l] = (True, True)
         LAST_WGRAD_STORE[gather_l] = (True, True)
