@@ -200,3 +200,23 @@ def test_expert_wgrad_takes_the_warp_specialized_kernel_where_asked(fails, monke
     assert wg.LAST_WGRAD_WS == {True: not fails, False: not fails}
     for (g, _), (w, _) in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_the_direct_store_is_asked_only_where_switched_on(monkeypatch):
+    """MOEGRAPH_WGRAD_DIRECT: the long-loop tiles ask for the direct store at DIRECT_STAGES;
+    the short loops and a launch the Gluon kernel does not take (here the CPU) keep the
+    Triton kernel's 3 stages, with the same values."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(wg, "DIRECT", True)
+    for n, slot_order_l in ((768, False), (2048, True)):
+        cfg = wg.wgrad_config(n, cuda, 1024.0, slot_order_l=slot_order_l)
+        assert cfg.direct_store and cfg.num_stages == wg.DIRECT_STAGES, cfg
+        assert not wg.wgrad_config(n, cuda, 64.0, slot_order_l=slot_order_l).direct_store
+    monkeypatch.setattr(wg, "WARP_SPECIALIZED", False)
+    assert not wg.wgrad_config(768, cuda, 1024.0).direct_store
+    problem = _problem(CASES[1], None, "cpu", torch.float32, 16)
+    want = _both_dw(problem, CPU_CFG, True, monkeypatch)
+    got = _both_dw(problem, CPU_CFG._replace(direct_store=True, num_stages=4), True,
+                   monkeypatch)
+    for (g, _), (w, _) in zip(got, want):
+        assert torch.equal(g, w)
