@@ -112,6 +112,13 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
             c = G(block, 128, 64, 8, 8, stages, maxnreg=128)
             out += [(f"{'x'.join(map(str, c[:6]))}+{v}", c.with_variant(v), True)
                     for v in ("r128", "tma+r128")]
+        # The paired tile at half the rows (64 x 256 a program, 4 warps) in 2 stages: 80 KB
+        # and at most 255 registers a thread, so two CTAs share an SM and one's epilogue
+        # runs under the other's K loop, as the 128 x 256 tile's (one CTA an SM) cannot.
+        if d.paired and block >= 128:
+            for v in ("pair", "tma+pair"):
+                c = G(block // 2, d.block_n, 64, 8, 4, 2).with_variant(v)
+                out.append((f"half_{v.replace('+', '_')}_s2", c, True))
     elif kernel == "dx":
         tiles = [d, d._replace(num_stages=4)]
         variants = ("base", "tma", "tma+persistent")
