@@ -170,8 +170,7 @@ def wgrad_ws_source(cfg, down: bool):
     from moegraph_kernels import wgrad_ws as ws
     fn = ws._wgrad_ws_kernel
     consts = dict(GATHER_L=down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  GROUP_M=cfg.group_m, STAGES=cfg.num_stages, DIRECT_STORE=cfg.direct_store,
-                  PRODUCER_WARPS=ws.PRODUCER_WARPS,
+                  GROUP_M=cfg.group_m, STAGES=cfg.num_stages, PRODUCER_WARPS=ws.PRODUCER_WARPS,
                   PRODUCER_REGS=ws.PRODUCER_REGS, num_warps=ws.CONSUMER_WARPS)
     s_box = (cfg.block_k, cfg.block_n) if down else (cfg.block_k, cfg.block_m)
     types = {"s_desc": _gluon_desc(s_box), "g_ptr": "*bf16",

@@ -70,13 +70,6 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         for name, c in (("ws", ws), ("ws_s2", ws._replace(num_stages=2)),
                         ("ws_g8", ws._replace(group_m=8))):
             out += [(name, c, True)] if c not in [o[1] for o in out] else []
-        # The tile straight from the registers (`direct_store`), at the same 3 stages, at the
-        # 4 its staging buffer's room allows, and at 8 of half the K tile.
-        direct = ws._replace(direct_store=True)
-        for name, c in (("ws_d3", direct._replace(num_stages=3)),
-                        ("ws_d4", direct._replace(num_stages=4)),
-                        ("ws_d8k32", direct._replace(num_stages=8, block_k=32))):
-            out += [(name, c, True)] if c not in [o[1] for o in out] else []
         out += [("persistent", plain._replace(persistent=True), True),
                 ("tmastore", plain._replace(store_tma=True), True),
                 ("persistent+tmastore", plain._replace(persistent=True, store_tma=True), True)]
@@ -112,13 +105,6 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
             c = G(block, 128, 64, 8, 8, stages, maxnreg=128)
             out += [(f"{'x'.join(map(str, c[:6]))}+{v}", c.with_variant(v), True)
                     for v in ("r128", "tma+r128")]
-        # The paired tile at half the rows (64 x 256 a program, 4 warps) in 2 stages: 80 KB
-        # and at most 255 registers a thread, so two CTAs share an SM and one's epilogue
-        # runs under the other's K loop, as the 128 x 256 tile's (one CTA an SM) cannot.
-        if d.paired and block >= 128:
-            for v in ("pair", "tma+pair"):
-                c = G(block // 2, d.block_n, 64, 8, 4, 2).with_variant(v)
-                out.append((f"half_{v.replace('+', '_')}_s2", c, True))
     elif kernel == "dx":
         tiles = [d, d._replace(num_stages=4)]
         variants = ("base", "tma", "tma+persistent")

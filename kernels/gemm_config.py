@@ -135,9 +135,6 @@ class GemmConfig(NamedTuple):
     maxnreg: int | None = None
     # wgrad: the dW tile leaves by a TMA bulk store (kernels/wgrad.py). Others ignore it.
     store_tma: bool = False
-    # wgrad's warp-specialized kernel (wgrad_ws.py): the dW tile leaves straight from the
-    # registers, no staging buffer (its shared memory can hold a stage more). Others ignore it.
-    direct_store: bool = False
 
     def launch_options(self) -> dict:
         """The launch keywords of the tile: warps, stages, contraction (fp_fusion.py), and
@@ -151,7 +148,7 @@ class GemmConfig(NamedTuple):
     @property
     def variant(self) -> str:
         """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat', '+tail',
-        '+pair', '+rN', '+store', '+direct'."""
+        '+pair', '+rN', '+store'."""
         parts = (["tma"] if self.tma else []) + (["persistent"] if self.persistent else [])
         if self.persistent and self.warp_specialize:
             parts.append("ws")
@@ -165,8 +162,6 @@ class GemmConfig(NamedTuple):
             parts.append(f"r{self.maxnreg}")
         if self.store_tma:
             parts.append("store")
-        if self.direct_store:
-            parts.append("direct")
         return "+".join(parts) or "base"
 
     def with_variant(self, name: str) -> GemmConfig:
@@ -174,18 +169,17 @@ class GemmConfig(NamedTuple):
         `variant` property's spelling)."""
         parts = set(name.split("+")) - {"base"}
         caps = {p for p in parts if p[:1] == "r" and p[1:].isdigit()}
-        unknown = parts - caps - {"tma", "persistent", "ws", "noflat", "tail", "pair", "store",
-                                  "direct"}
+        unknown = parts - caps - {"tma", "persistent", "ws", "noflat", "tail", "pair", "store"}
         if unknown or len(caps) > 1:
             bad = sorted(unknown)[0] if unknown else sorted(caps)[1]
             raise ValueError(f"GemmConfig: unknown variant part {bad!r} in {name!r}; parts "
-                             "are tma, persistent, ws, noflat, tail, pair, store, direct and "
-                             "one rN (a register cap)")
+                             "are tma, persistent, ws, noflat, tail, pair, store and one rN "
+                             "(a register cap)")
         return self._replace(tma="tma" in parts, persistent="persistent" in parts,
                              warp_specialize="ws" in parts, flatten="noflat" not in parts,
                              split_tail="tail" in parts, paired="pair" in parts,
                              maxnreg=int(next(iter(caps))[1:]) if caps else None,
-                             store_tma="store" in parts, direct_store="direct" in parts)
+                             store_tma="store" in parts)
 
 
 def route_block_m(num_routes: int, num_experts: int, device: torch.device) -> int:

@@ -91,11 +91,6 @@ STORE_TMA = flag_from_env("MOEGRAPH_WGRAD_TMA_STORE", None)
 # (kernel_sweep_ws_h100.json). MOEGRAPH_WGRAD_WS=0 keeps the Triton kernel.
 WARP_SPECIALIZED = flag_from_env("MOEGRAPH_WGRAD_WS", True)
 
-# The warp-specialized kernel's tile straight from the registers (`GemmConfig.direct_store`)
-# with the staging buffer's room as a fourth stage. MOEGRAPH_WGRAD_DIRECT=1 asks for it.
-DIRECT = flag_from_env("MOEGRAPH_WGRAD_DIRECT", False)
-DIRECT_STAGES = 4
-
 
 def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None = None,
                  slot_order_l: bool = False) -> GemmConfig:
@@ -131,8 +126,6 @@ def wgrad_config(n: int, device: torch.device, routes_per_expert: float | None =
         # -> 3.142 / 3.207 persistent alone against 3.153 / 3.432 with it: its store is kept
         # to the shorter loops (at most 1024 slots an expert).
         wide = wide._replace(warp_specialize=WARP_SPECIALIZED)
-        if WARP_SPECIALIZED and DIRECT:
-            wide = wide._replace(direct_store=True, num_stages=DIRECT_STAGES)
         if slot_order_l:
             store = routes_per_expert is None or routes_per_expert <= 1024
             return _forced(wide._replace(persistent=True, store_tma=store))
@@ -273,8 +266,6 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
             and _warp_specialized(l_rows, r_rows, routes, out_EMN, gather_l, gather_r, cfg,
                                   accumulate)):
         return out_EMN
-    if cfg.direct_store:  # the Gluon kernel's; the Triton kernel keeps its 3 stages
-        cfg = cfg._replace(direct_store=False, num_stages=min(cfg.num_stages, 3))
     l_desc = r_desc = None
     if padded and cfg.tma and tma.tma_available(l_rows.device):
         # The slot-order operand (there is one: a gathered one has no rows to box) by TMA.
@@ -325,7 +316,7 @@ def _warp_specialized(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool
                               routes.expert_counts, routes.token_slots.shape[0],
                               routes.num_slots, out_EMN, gather_l, cfg.block_m, cfg.block_n,
                               cfg.block_k, cfg.group_m, cfg.num_stages,
-                              tma.num_programs(l_rows.device), cfg.direct_store))
+                              tma.num_programs(l_rows.device)))
     if ran:
         LAST_WGRAD_PLAN[gather_l] = (True, True)
         LAST_WGRAD_STORE[gather_l] = (True, True)

@@ -118,10 +118,10 @@ if GLUON:
             pid_n = n_pid_n
 
     @gluon.jit
-    def _consumer(dw_desc, dw_ptr, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty,
-                  out_buf, M, N, num_tiles, GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _consumer(dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty, out_buf,
+                  M, N, num_tiles, GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  DIRECT_STORE: gl.constexpr, num_warps: gl.constexpr):
+                  num_warps: gl.constexpr):
         STAGES: gl.constexpr = s_bufs.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -151,41 +151,26 @@ if GLUON:
                 it += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             mbarrier.arrive(empty.index(prev), pred=count > 0)
-            if DIRECT_STORE:
-                # Straight from the accumulator's registers: no staging buffer, so its
-                # shared memory holds one more stage.
-                rows = expert * M + pid_m * BLOCK_M + gl.arange(
-                    0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N,
-                                                   layout=gl.SliceLayout(0, acc_layout))
-                gl.store(dw_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :],
-                         acc.to(dw_ptr.dtype.element_ty))
-            else:
-                tma.store_wait(0)  # the last tile's store has left out_buf
-                out_buf.store(acc.to(dw_desc.dtype))
-                fence_async_shared()
-                tma_store(dw_desc, [expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N], out_buf)
-        if not DIRECT_STORE:
-            tma.store_wait(0)
+            tma.store_wait(0)  # the last tile's store has left out_buf
+            out_buf.store(acc.to(dw_desc.dtype))
+            fence_async_shared()
+            tma_store(dw_desc, [expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N], out_buf)
+        tma.store_wait(0)
 
     @gluon.jit
-    def _wgrad_ws_kernel(s_desc, g_ptr, dw_desc, dw_ptr, slot_token_ptr, expert_start_ptr,
+    def _wgrad_ws_kernel(s_desc, g_ptr, dw_desc, slot_token_ptr, expert_start_ptr,
                          expert_count_ptr, M, N, num_tokens, num_slots, num_tiles, stride_g,
                          GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         DIRECT_STORE: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                         PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                         num_warps: gl.constexpr):
         dtype: gl.constexpr = s_desc.dtype
         G_COLS: gl.constexpr = BLOCK_M if GATHER_L else BLOCK_N
         s_bufs = gl.allocate_shared_memory(dtype, [STAGES] + s_desc.block_type.shape,
                                            s_desc.layout)
         g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, G_COLS], dtype)
         g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, G_COLS], g_layout)
-        if DIRECT_STORE:
-            out_buf = s_bufs  # never written: the tile leaves from registers
-        else:
-            out_buf = gl.allocate_shared_memory(dtype, dw_desc.block_type.shape,
-                                                dw_desc.layout)
+        out_buf = gl.allocate_shared_memory(dtype, dw_desc.block_type.shape, dw_desc.layout)
         ready_s = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_g = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -195,9 +180,9 @@ if GLUON:
             mbarrier.init(ready_g.index(i), count=PRODUCER_WARPS * 32)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (dw_desc, dw_ptr, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g,
-                         empty, out_buf, M, N, num_tiles, GATHER_L, BLOCK_M, BLOCK_N, BLOCK_K,
-                         GROUP_M, DIRECT_STORE, num_warps)),
+            (_consumer, (dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty,
+                         out_buf, M, N, num_tiles, GATHER_L, BLOCK_M, BLOCK_N, BLOCK_K,
+                         GROUP_M, num_warps)),
             (_producer, (s_desc, g_ptr, stride_g, slot_token_ptr, expert_start_ptr,
                          expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty, M, N,
                          num_tokens, num_slots, num_tiles, GATHER_L, BLOCK_M, BLOCK_N,
@@ -224,11 +209,8 @@ def fits(l_rows, r_rows, out_EMN, gather_l: bool, gather_r: bool, block_m: int,
 
 def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, num_tokens: int,
                     num_slots: int, out_EMN, gather_l: bool, block_m: int, block_n: int,
-                    block_k: int, group_m: int, stages: int, num_programs: int,
-                    direct_store: bool = False):
-    """Fill out_EMN [E, M, N] with wgrad.expert_wgrad's sums (see `fits` for the cases).
-    `direct_store`: each tile leaves straight from the registers rather than through a
-    shared staging buffer and a TMA store (that buffer's room can hold another stage)."""
+                    block_k: int, group_m: int, stages: int, num_programs: int):
+    """Fill out_EMN [E, M, N] with wgrad.expert_wgrad's sums (see `fits` for the cases)."""
     num_experts, m, n = out_EMN.shape
     s_rows, g_rows = (r_rows, l_rows) if gather_l else (l_rows, r_rows)
     s_box = (block_k, block_n) if gather_l else (block_k, block_m)
@@ -237,9 +219,9 @@ def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, nu
     num_tiles = num_experts * (m // block_m) * (n // block_n)
     grid = (min(num_tiles, num_programs),)
     _wgrad_ws_kernel[grid](
-        s_desc, g_rows, dw_desc, out_EMN, slot_token, expert_starts, expert_counts, m, n,
+        s_desc, g_rows, dw_desc, slot_token, expert_starts, expert_counts, m, n,
         num_tokens, num_slots, num_tiles, g_rows.stride(0),
         GATHER_L=gather_l, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        STAGES=stages, DIRECT_STORE=direct_store, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+        STAGES=stages, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, enable_fp_fusion=FUSED)
     return out_EMN
