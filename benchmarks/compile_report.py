@@ -59,7 +59,7 @@ def fc1_source(cfg, route_block: int):
     consts = dict(ROUTE_BLOCK=route_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=H % cfg.block_k == 0,
                   EVEN_N=F % cfg.block_n == 0, HAS_BIAS=False, CLAMPED=False, TAIL=0,
-                  Y_TMA=y_tma, PAIRED=paired, **_meta(cfg))
+                  Y_TMA=y_tma, PAIRED=paired, FAST_ACT=cfg.fast_act, **_meta(cfg))
     box = (f"tensordesc<bf16[2, {cfg.block_n}, {cfg.block_k}]>" if paired else
            f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>")
     store = f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>" if y_tma else "*bf16"
@@ -138,7 +138,7 @@ def dact_source(cfg, route_block: int):
                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=H % cfg.block_k == 0,
                   EVEN_N=F % bn == 0, USE_TMA=use_tma, PERSISTENT=cfg.persistent,
                   FLATTEN=cfg.persistent and cfg.flatten, LIST_CHUNK=1024, CLAMPED=False,
-                  TAIL=0, PAIRED=paired)
+                  TAIL=0, PAIRED=paired, FAST_ACT=cfg.fast_act)
     types = {"dp_ptr": "*fp32", "alpha": "fp32", "limit": "fp32",
              "w_desc": f"tensordesc<bf16[{cfg.block_k}, {bn}]>" if use_tma else "*bf16"}
     return _source(fn, consts, types, odd=("num_experts",)), cfg

@@ -45,6 +45,9 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
     from moegraph_kernels.gemm_config import GemmConfig as G
     d = getattr(defaults, kernel)
     out = [("default", d, True), ("twin", d, True)]
+    if kernel in ("fc1", "dact") and d.fast_act:
+        # Triton's own fp32 exp and division in the gated activation (gated_act.py, FAST off)
+        out.append(("exact", d._replace(fast_act=False), True))
     if kernel.startswith("wgrad"):
         out.append(("masked", d._replace(tma=False), False))
         long = [G(128, 128, 32, 8, 8, 5), G(128, 128, 64, 4, 8, 3), G(128, 128, 64, 4, 8, 4),

@@ -38,7 +38,7 @@ def _dact_epilogue(
     acc, offs_m, offs_n, pid_dp, row_ok, route, route_ok, y1_ptr, weights_ptr, dy1_ptr,
     act_ptr, dp_ptr, alpha, limit, ffn, stride_y1, stride_dy1, stride_act, stride_dp,
     CLAMPED: tl.constexpr, ROUTE_MASK: tl.constexpr, slot_route_ptr=None, num_routes=0,
-    LOAD_ROUTE: tl.constexpr = False,
+    LOAD_ROUTE: tl.constexpr = False, FAST_ACT: tl.constexpr = False,
 ):
     """The SwiGLU backward of one [BM, BN] dA tile at columns offs_n: dY1, A and dp_part's
     column pid_dp. LOAD_ROUTE: the rows' routes are loaded here (the BN tile's one epilogue,
@@ -58,8 +58,8 @@ def _dact_epilogue(
     g = tl.load(y1_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
     p = tl.load(weights_ptr + route, mask=route_ok, other=0.0).to(tl.float32)
-    dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED)
-    act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED)
+    dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED, FAST_ACT)
+    act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED, FAST_ACT)
     out_mask = n_ok[None, :]
     dy1_ptrs = dy1_ptr + rows * stride_dy1 + offs_n[None, :]
     tl.store(dy1_ptrs, dg.to(dy1_ptr.dtype.element_ty), mask=out_mask)
@@ -78,7 +78,7 @@ def _dact_swiglu_tile(
     stride_dt, stride_we, stride_wk, stride_y1, stride_dy1, stride_act, stride_dp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
-    ROUTE_MASK: tl.constexpr, PAIRED: tl.constexpr,
+    ROUTE_MASK: tl.constexpr, PAIRED: tl.constexpr, FAST_ACT: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,21 +113,25 @@ def _dact_swiglu_tile(
         offs_q = pid_n * BLOCK_N + tl.arange(0, Q)
         _dact_epilogue(q0, offs_m, offs_q, 4 * pid_n, row_ok, route, route_ok, y1_ptr,
                        weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
-                       stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
+                       stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
+                       FAST_ACT=FAST_ACT)
         _dact_epilogue(q1, offs_m, offs_q + Q, 4 * pid_n + 1, row_ok, route, route_ok,
                        y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
-                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
+                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
+                       FAST_ACT=FAST_ACT)
         _dact_epilogue(q2, offs_m, offs_q + 2 * Q, 4 * pid_n + 2, row_ok, route, route_ok,
                        y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
-                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
+                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
+                       FAST_ACT=FAST_ACT)
         _dact_epilogue(q3, offs_m, offs_q + 3 * Q, 4 * pid_n + 3, row_ok, route, route_ok,
                        y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
-                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK)
+                       stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
+                       FAST_ACT=FAST_ACT)
     else:
         _dact_epilogue(acc, offs_m, offs_n, pid_n, row_ok, row_ok, row_ok, y1_ptr,
                        weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
                        stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
-                       slot_route_ptr, num_routes, True)
+                       slot_route_ptr, num_routes, True, FAST_ACT)
 
 
 @triton.jit
@@ -150,7 +154,7 @@ def _dact_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
-    PAIRED: tl.constexpr,
+    PAIRED: tl.constexpr, FAST_ACT: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -169,7 +173,8 @@ def _dact_swiglu_kernel(
                 slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PAIRED)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PAIRED,
+                FAST_ACT)
             if TAIL == 2:
                 _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                                 stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -185,7 +190,8 @@ def _dact_swiglu_kernel(
             slot_token_ptr, slot_route_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit,
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PAIRED)
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PAIRED,
+            FAST_ACT)
         if TAIL == 2:
             _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
                             stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -256,7 +262,8 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            PAIRED=paired, **cfg.launch_options(), **meta)
+            PAIRED=paired, FAST_ACT=cfg.fast_act and dout_TH.is_cuda, **cfg.launch_options(),
+            **meta)
 
     gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, tile, grid, live_list, meta, plan,
                                            w_down_EHF.shape[0], ffn, dout_TH.device

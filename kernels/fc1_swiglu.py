@@ -48,7 +48,7 @@ def _fc1_swiglu_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, Y_TMA: tl.constexpr,
-    PAIRED: tl.constexpr,
+    PAIRED: tl.constexpr, FAST_ACT: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,7 +89,8 @@ def _fc1_swiglu_tile(
     u = acc_u.to(y1_ptr.dtype.element_ty)
     route = tl.load(slot_route_ptr + offs_m)
     p = tl.load(weights_ptr + route, mask=route < num_routes, other=0.0).to(tl.float32)
-    act = gated_forward(g.to(tl.float32), u.to(tl.float32), p[:, None], alpha, limit, CLAMPED)
+    act = gated_forward(g.to(tl.float32), u.to(tl.float32), p[:, None], alpha, limit, CLAMPED,
+                        FAST_ACT)
     if Y_TMA:  # whole column tiles (F % BN == 0): the boxes never cross gate into up
         y1_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], g)
         y1_desc.store([pid_m * BLOCK_M, ffn + pid_n * BLOCK_N], u)
@@ -114,7 +115,7 @@ def _fc1_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-    TAIL: tl.constexpr, Y_TMA: tl.constexpr, PAIRED: tl.constexpr,
+    TAIL: tl.constexpr, Y_TMA: tl.constexpr, PAIRED: tl.constexpr, FAST_ACT: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -134,7 +135,7 @@ def _fc1_swiglu_kernel(
                 alpha, limit, num_tokens, num_routes, ffn, hidden,
                 stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
-                PAIRED)
+                PAIRED, FAST_ACT)
             if TAIL == 2:
                 store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1,
                                       stride_act, pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -151,7 +152,7 @@ def _fc1_swiglu_kernel(
             num_tokens, num_routes, ffn, hidden,
             stride_xt, stride_we, stride_wn, stride_y1, stride_act, stride_be,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, HAS_BIAS, CLAMPED, Y_TMA,
-            PAIRED)
+            PAIRED, FAST_ACT)
         if TAIL == 2:
             store_zero_gated_rows(y1_ptr, act_ptr, (pid_m + 1) * BLOCK_M, stride_y1, stride_act,
                                   pid_n, ffn, BLOCK_M, BLOCK_N)
@@ -227,7 +228,8 @@ def _fc1_swiglu(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, cf
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, HAS_BIAS=bias_EF2 is not None,
             CLAMPED=clamp is not None, TAIL=tail, Y_TMA=y_tma, PAIRED=paired,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            FAST_ACT=cfg.fast_act and x_TH.is_cuda, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
             enable_fp_fusion=FUSED, **meta)
 
     plan = plan._replace(store_tma=_fc1_store_tma(cfg, w_desc is not None, ffn, y1_out, act_out),

@@ -211,9 +211,15 @@ if GLUON:
                     u = u_buf.slice(r0, ROWS).load(layout).to(gl.float32)
                     route = gl.load(slot_route_ptr + row + r0 + offs_r)
                     p = gl.load(weights_ptr + route, mask=route < num_routes, other=0.0)
-                    # gated_act.swiglu_forward, in its order of operations; each thread
-                    # overwrites only the elements it read.
-                    act = g / (1.0 + gl.exp(-g)) * u * p.to(gl.float32)[:, None]
+                    # gated_act.swiglu_forward's FAST path (the Triton kernels' on a GPU), in
+                    # its order of operations; each thread overwrites only the elements it
+                    # read.
+                    e = 1.0 + gl.inline_asm_elementwise(
+                        "ex2.approx.ftz.f32 $0, $1;", "=f,f", [-g * 1.4426950216293334961],
+                        dtype=gl.float32, is_pure=True, pack=1)
+                    r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [e],
+                                                  dtype=gl.float32, is_pure=True, pack=1)
+                    act = g * r * u * p.to(gl.float32)[:, None]
                     g_rows.store(act.to(g_buf.dtype))
                 fence_async_shared()
                 tma_store(act_desc, [row, col], g_buf)

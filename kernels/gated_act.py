@@ -13,6 +13,17 @@ Contract (per slot s and column f < F, Y1 = [gate | up] of width 2F in the input
   silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))), as torch's silu_backward.
 - p is the route's top-k weight in fp32; padding slots carry p = 0 and g = u = 0.
 
+FAST (a constexpr of every helper; the kernels pass GemmConfig.fast_act, True on a GPU): the
+same formulas without the range fix-ups Triton wraps around its fp32 `exp` and `/` (each a
+compare and predicated scalings an element, about a fifth of dA's epilogue instructions):
+`1 + exp(-x)` as 1 + ex2.approx.ftz(-x * log2 e) and `a / e` as a * rcp.approx.ftz(e). The
+bits are the plain path's wherever e = 1 + exp(-x) <= 2**126, that is x >= -87.33 (SwiGLU's
+gate; alpha * gc for the clamped one): Triton's exp is ex2.approx of the same product and
+differs from the ftz one only by a result below 2**-126, which 1 + it rounds away, and its
+div.full.f32 is a * rcp.approx(b) for |b| <= 2**126. Below -87.33 the sigmoid (< 2**-126)
+and silu flush to zero where the plain path gives values under 1e-35 in magnitude. The
+interpreter has no inline assembly: CPU launches pass FAST = False.
+
 Clamped SwiGLU (GPT-OSS), picked by the CLAMPED constexpr of `gated_forward` /
 `gated_backward` (the kernels call those two; alpha and limit are fp32 runtime scalars):
 - forward: gc = min(g, limit), uc = clamp(u, -limit, limit),
@@ -28,17 +39,44 @@ import triton.language as tl
 
 
 @triton.jit
-def swiglu_forward(g, u, p):
-    """fp32 [BM, BN] gate and up tiles, p [BM, 1]: silu(g) * u * p (torch's silu formula)."""
-    return g / (1.0 + tl.exp(-g)) * u * p
+def _one_plus_exp_neg(x, FAST: tl.constexpr):
+    """1 + exp(-x), fp32 (see FAST in the module docstring)."""
+    if FAST:
+        return 1.0 + tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [-x * 1.4426950216293334961],
+            dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 + tl.exp(-x)
 
 
 @triton.jit
-def swiglu_backward(da, g, u, p):
+def _recip(e, FAST: tl.constexpr):
+    """1 / e for e >= 1 as the factor a / e is a times (FAST: rcp.approx.ftz; see the module
+    docstring). Only the FAST path calls it: the plain one divides."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [e],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def swiglu_forward(g, u, p, FAST: tl.constexpr = False):
+    """fp32 [BM, BN] gate and up tiles, p [BM, 1]: silu(g) * u * p (torch's silu formula)."""
+    e = _one_plus_exp_neg(g, FAST)
+    if FAST:
+        return g * _recip(e, FAST) * u * p
+    else:
+        return g / e * u * p
+
+
+@triton.jit
+def swiglu_backward(da, g, u, p, FAST: tl.constexpr = False):
     """fp32 tiles; returns (dg, du, dp_part) with dp_part the [BM] sum over this tile's columns."""
-    e = 1.0 + tl.exp(-g)
-    sig = 1.0 / e
-    silu_g = g / e
+    e = _one_plus_exp_neg(g, FAST)
+    if FAST:
+        sig = _recip(e, FAST)
+        silu_g = g * sig
+    else:
+        sig = 1.0 / e
+        silu_g = g / e
     dg = da * p * u * (sig * (1.0 + g * (1.0 - sig)))
     du = da * p * silu_g
     dp_part = tl.sum(da * (silu_g * u), axis=1)
@@ -46,20 +84,30 @@ def swiglu_backward(da, g, u, p):
 
 
 @triton.jit
-def clamped_swiglu_forward(g, u, p, alpha, limit):
+def _sigmoid(x, FAST: tl.constexpr):
+    """1 / (1 + exp(-x)), fp32."""
+    e = _one_plus_exp_neg(x, FAST)
+    if FAST:
+        return _recip(e, FAST)
+    else:
+        return 1.0 / e
+
+
+@triton.jit
+def clamped_swiglu_forward(g, u, p, alpha, limit, FAST: tl.constexpr = False):
     """fp32 tiles: (clamp(u, -limit, limit) + 1) * gc * sigmoid(alpha * gc) * p, gc = min(g,
     limit)."""
     gc = tl.minimum(g, limit)
     uc = tl.minimum(tl.maximum(u, -limit), limit)
-    return (uc + 1.0) * (gc * (1.0 / (1.0 + tl.exp(-alpha * gc)))) * p
+    return (uc + 1.0) * (gc * _sigmoid(alpha * gc, FAST)) * p
 
 
 @triton.jit
-def clamped_swiglu_backward(da, g, u, p, alpha, limit):
+def clamped_swiglu_backward(da, g, u, p, alpha, limit, FAST: tl.constexpr = False):
     """fp32 tiles; returns (dg, du, dp_part) as swiglu_backward, for the clamped variant."""
     gc = tl.minimum(g, limit)
     uc = tl.minimum(tl.maximum(u, -limit), limit)
-    sig = 1.0 / (1.0 + tl.exp(-alpha * gc))
+    sig = _sigmoid(alpha * gc, FAST)
     glu = gc * sig
     dap = da * p
     dg = tl.where(g <= limit, dap * (uc + 1.0) * (sig + alpha * gc * sig * (1.0 - sig)), 0.0)
@@ -69,18 +117,19 @@ def clamped_swiglu_backward(da, g, u, p, alpha, limit):
 
 
 @triton.jit
-def gated_forward(g, u, p, alpha, limit, CLAMPED: tl.constexpr):
+def gated_forward(g, u, p, alpha, limit, CLAMPED: tl.constexpr, FAST: tl.constexpr = False):
     """The forward the kernels call: swiglu_forward, or clamped_swiglu_forward if CLAMPED."""
     if CLAMPED:
-        return clamped_swiglu_forward(g, u, p, alpha, limit)
+        return clamped_swiglu_forward(g, u, p, alpha, limit, FAST)
     else:
-        return swiglu_forward(g, u, p)
+        return swiglu_forward(g, u, p, FAST)
 
 
 @triton.jit
-def gated_backward(da, g, u, p, alpha, limit, CLAMPED: tl.constexpr):
+def gated_backward(da, g, u, p, alpha, limit, CLAMPED: tl.constexpr,
+                   FAST: tl.constexpr = False):
     """The backward the kernels call: swiglu_backward, or clamped_swiglu_backward if CLAMPED."""
     if CLAMPED:
-        return clamped_swiglu_backward(da, g, u, p, alpha, limit)
+        return clamped_swiglu_backward(da, g, u, p, alpha, limit, FAST)
     else:
-        return swiglu_backward(da, g, u, p)
+        return swiglu_backward(da, g, u, p, FAST)
