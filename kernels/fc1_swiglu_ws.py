@@ -215,7 +215,7 @@ if GLUON:
                     # its order of operations; each thread overwrites only the elements it
                     # read.
                     e = 1.0 + gl.inline_asm_elementwise(
-                        "ex2.approx.ftz.f32 $0, $1;", "=f,f", [-g * 1.4426950216293334961],
+                        "ex2.approx.ftz.f32 $0, $1;", "=f,f", [g * -1.4426950216293334961],
                         dtype=gl.float32, is_pure=True, pack=1)
                     r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [e],
                                                   dtype=gl.float32, is_pure=True, pack=1)

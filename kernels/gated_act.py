@@ -16,13 +16,13 @@ Contract (per slot s and column f < F, Y1 = [gate | up] of width 2F in the input
 FAST (a constexpr of every helper; the kernels pass GemmConfig.fast_act, True on a GPU): the
 same formulas without the range fix-ups Triton wraps around its fp32 `exp` and `/` (each a
 compare and predicated scalings an element, about a fifth of dA's epilogue instructions):
-`1 + exp(-x)` as 1 + ex2.approx.ftz(-x * log2 e) and `a / e` as a * rcp.approx.ftz(e). The
-bits are the plain path's wherever e = 1 + exp(-x) <= 2**126, that is x >= -87.33 (SwiGLU's
-gate; alpha * gc for the clamped one): Triton's exp is ex2.approx of the same product and
-differs from the ftz one only by a result below 2**-126, which 1 + it rounds away, and its
-div.full.f32 is a * rcp.approx(b) for |b| <= 2**126. Below -87.33 the sigmoid (< 2**-126)
-and silu flush to zero where the plain path gives values under 1e-35 in magnitude. The
-interpreter has no inline assembly: CPU launches pass FAST = False.
+`1 + exp(-x)` as 1 + ex2.approx.ftz(x * -log2 e) (one multiply: (-x) * c is x * (-c) in every
+rounding) and `a / e` as a * rcp.approx.ftz(e). The bits are the plain path's wherever
+e = 1 + exp(-x) <= 2**126, that is x >= -87.33 (SwiGLU's gate; alpha * gc for the clamped
+one): Triton's exp is ex2.approx of the same product and differs from the ftz one only by a
+result below 2**-126, which 1 + it rounds away, and its div.full.f32 is a * rcp.approx(b) for
+|b| <= 2**126. Below -87.33 the sigmoid (< 2**-126) and silu flush to zero where the plain
+path gives values under 1e-35 in magnitude. The interpreter has no inline assembly: CPU launches pass FAST = False.
 
 Clamped SwiGLU (GPT-OSS), picked by the CLAMPED constexpr of `gated_forward` /
 `gated_backward` (the kernels call those two; alpha and limit are fp32 runtime scalars):
@@ -43,7 +43,7 @@ def _one_plus_exp_neg(x, FAST: tl.constexpr):
     """1 + exp(-x), fp32 (see FAST in the module docstring)."""
     if FAST:
         return 1.0 + tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [-x * 1.4426950216293334961],
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950216293334961],
             dtype=tl.float32, is_pure=True, pack=1)
     else:
         return 1.0 + tl.exp(-x)
