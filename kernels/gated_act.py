@@ -22,7 +22,8 @@ e = 1 + exp(-x) <= 2**126, that is x >= -87.33 (SwiGLU's gate; alpha * gc for th
 one): Triton's exp is ex2.approx of the same product and differs from the ftz one only by a
 result below 2**-126, which 1 + it rounds away, and its div.full.f32 is a * rcp.approx(b) for
 |b| <= 2**126. Below -87.33 the sigmoid (< 2**-126) and silu flush to zero where the plain
-path gives values under 1e-35 in magnitude. The interpreter has no inline assembly: CPU launches pass FAST = False.
+path gives values under 1e-35 in magnitude. The interpreter has no inline assembly: CPU
+launches pass FAST = False.
 
 Clamped SwiGLU (GPT-OSS), picked by the CLAMPED constexpr of `gated_forward` /
 `gated_backward` (the kernels call those two; alpha and limit are fp32 runtime scalars):
