@@ -24,8 +24,8 @@ from .gluon_hopper import GLUON
 from .wgrad_ws import launch_geometry
 
 if GLUON:
-    from .gluon_hopper import gl, gluon, tma
-    from .wgrad_ws import _producer, _tile_of, stage_ring, tile_dw
+    from .gluon_hopper import gl, gluon, mbarrier, tma
+    from .wgrad_ws import _producer, _tile_of, stage_ring, tile_k_loop, tile_store
 
 # Each consumer is one warpgroup; the producer keeps wgrad_ws.py's 4 warps. Registers a
 # thread: two consumers at 208 and the producer at 96 fill the SM's 64 K.
@@ -35,26 +35,35 @@ CONSUMER_WARPS, PRODUCER_WARPS, CONSUMER_REGS, PRODUCER_REGS = 4, 4, 208, 96
 if GLUON:
 
     @gluon.jit
-    def _consumer(dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty, out_buf,
-                  M, N, num_tiles, GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _consumer(dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty, turn,
+                  out_buf, M, N, num_tiles, GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                   ME: gl.constexpr):
         """Consumer ME (0 or 1): the program's tiles j with j % 2 == ME; the others' K steps
-        only advance its place in the stage ring."""
+        only advance its place in the stage ring. The `turn` pair orders the K loops (a
+        consumer may not wait on a stage a lap ahead: a parity wait cannot tell the laps
+        apart); each tile's end and store run under the other's K loop."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         tiles_m = gl.cdiv(M, BLOCK_M)
         tiles_n = gl.cdiv(N, BLOCK_N)
         it = 0
         j = 0
+        turns = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
             count = gl.load(expert_count_ptr + expert)
             if j % 2 == ME:
+                # My turn at the ring: the other consumer has waited for every stage before
+                # mine, so the ring's parities name this tile's stages.
+                mbarrier.wait(turn.index(ME), (turns & 1) ^ (1 - ME))
+                turns += 1
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
-                it = tile_dw(dw_desc, s_bufs, g_bufs, ready_s, ready_g, empty, out_buf, acc,
-                             count, it, expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N,
-                             GATHER_L, BLOCK_K)
+                acc, it, prev = tile_k_loop(s_bufs, g_bufs, ready_s, ready_g, empty, acc,
+                                            count, it, GATHER_L, BLOCK_K)
+                mbarrier.arrive(turn.index(1 - ME))  # the other's K loop may start
+                tile_store(dw_desc, empty, out_buf, acc, count, prev,
+                           expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N)
             else:
                 it += gl.cdiv(count, BLOCK_K)
             j += 1
@@ -73,12 +82,15 @@ if GLUON:
         # one store buffer a consumer
         out_bufs = gl.allocate_shared_memory(s_desc.dtype, [2] + dw_desc.block_type.shape,
                                              dw_desc.layout)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
         gl.warp_specialize([
             (_consumer, (dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty,
-                         out_bufs.index(0), M, N, num_tiles, GATHER_L, BLOCK_M, BLOCK_N,
+                         turn, out_bufs.index(0), M, N, num_tiles, GATHER_L, BLOCK_M, BLOCK_N,
                          BLOCK_K, GROUP_M, 0)),
             (_consumer, (dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty,
-                         out_bufs.index(1), M, N, num_tiles, GATHER_L, BLOCK_M, BLOCK_N,
+                         turn, out_bufs.index(1), M, N, num_tiles, GATHER_L, BLOCK_M, BLOCK_N,
                          BLOCK_K, GROUP_M, 1)),
             (_producer, (s_desc, g_ptr, stride_g, slot_token_ptr, expert_start_ptr,
                          expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty, M, N,

@@ -118,11 +118,11 @@ if GLUON:
             pid_n = n_pid_n
 
     @gluon.jit
-    def tile_dw(dw_desc, s_bufs, g_bufs, ready_s, ready_g, empty, out_buf, acc, count, it,
-                row, col, GATHER_L: gl.constexpr, BLOCK_K: gl.constexpr):
-        """One tile: its K loop over the ring from position `it` (each stage handed back once
-        the wgmma after it has been issued), then its TMA store at (row, col) through out_buf
-        (after this caller's previous store has left it). Returns the ring position after."""
+    def tile_k_loop(s_bufs, g_bufs, ready_s, ready_g, empty, acc, count, it,
+                    GATHER_L: gl.constexpr, BLOCK_K: gl.constexpr):
+        """One tile's K loop over the ring from position `it`, each stage handed back once
+        the wgmma after it has been issued. Returns (acc, the ring position after, the last
+        stage, still to be handed back once its wgmma is waited for: tile_store)."""
         STAGES: gl.constexpr = s_bufs.shape[0]
         prev = 0
         for k0 in range(0, count, BLOCK_K):
@@ -141,13 +141,19 @@ if GLUON:
             mbarrier.arrive(empty.index(prev), pred=k0 > 0)
             prev = stage
             it += 1
+        return acc, it, prev
+
+    @gluon.jit
+    def tile_store(dw_desc, empty, out_buf, acc, count, prev, row, col):
+        """The end of a tile: its last wgmma waited for and its stage handed back, then the
+        tile stored by TMA at (row, col) through out_buf (after this caller's previous store
+        has left it)."""
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(empty.index(prev), pred=count > 0)
-        tma.store_wait(0)  # the last tile's store has left out_buf
+        tma.store_wait(0)
         out_buf.store(acc.to(dw_desc.dtype))
         fence_async_shared()
         tma_store(dw_desc, [row, col], out_buf)
-        return it
 
     @gluon.jit
     def _consumer(dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty, out_buf,
@@ -163,8 +169,10 @@ if GLUON:
             expert, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
             count = gl.load(expert_count_ptr + expert)
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
-            it = tile_dw(dw_desc, s_bufs, g_bufs, ready_s, ready_g, empty, out_buf, acc, count,
-                         it, expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N, GATHER_L, BLOCK_K)
+            acc, it, prev = tile_k_loop(s_bufs, g_bufs, ready_s, ready_g, empty, acc, count, it,
+                                        GATHER_L, BLOCK_K)
+            tile_store(dw_desc, empty, out_buf, acc, count, prev, expert * M + pid_m * BLOCK_M,
+                       pid_n * BLOCK_N)
         tma.store_wait(0)
 
     @gluon.jit
