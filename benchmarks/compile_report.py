@@ -168,8 +168,6 @@ def wgrad_ws_source(cfg, down: bool):
     """wgrad_ws.py's warp-specialized kernel (expert_wgrad's choice on a Hopper GPU where cfg
     asks for warp_specialize): the slot-order operand's TMA box, the TMA store."""
     from moegraph_kernels import wgrad_ws as ws
-    if cfg.pingpong:
-        return wgrad_pingpong_source(cfg, down)
     fn = ws._wgrad_ws_kernel
     consts = dict(GATHER_L=down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   GROUP_M=cfg.group_m, STAGES=cfg.num_stages, PRODUCER_WARPS=ws.PRODUCER_WARPS,
@@ -178,20 +176,6 @@ def wgrad_ws_source(cfg, down: bool):
     types = {"s_desc": _gluon_desc(s_box), "g_ptr": "*bf16",
              "dw_desc": _gluon_desc((cfg.block_m, cfg.block_n))}
     return _source(fn, consts, types), cfg._replace(num_warps=ws.CONSUMER_WARPS)
-
-
-def wgrad_pingpong_source(cfg, down: bool):
-    """wgrad_pingpong.py's kernel (cfg's `pingpong`): two consumers on [block_m / 2, block_n]
-    tiles in turn."""
-    from moegraph_kernels import wgrad_pingpong as pp
-    bm, bn = pp.consumer_tile(cfg.block_m, cfg.block_n)
-    consts = dict(GATHER_L=down, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
-                  GROUP_M=cfg.group_m, STAGES=cfg.num_stages, PRODUCER_WARPS=pp.PRODUCER_WARPS,
-                  CONSUMER_REGS=pp.CONSUMER_REGS, PRODUCER_REGS=pp.PRODUCER_REGS)
-    s_box = (cfg.block_k, bn) if down else (cfg.block_k, bm)
-    types = {"s_desc": _gluon_desc(s_box), "g_ptr": "*bf16", "dw_desc": _gluon_desc((bm, bn))}
-    return _source(pp._wgrad_pingpong_kernel, consts, types), \
-        cfg._replace(num_warps=pp.CONSUMER_WARPS)
 
 
 def _gluon_desc(box) -> str:

@@ -73,10 +73,6 @@ def candidates(kernel: str, block: int, defaults) -> list[tuple[str, object, boo
         for name, c in (("ws", ws), ("ws_s2", ws._replace(num_stages=2)),
                         ("ws_g8", ws._replace(group_m=8))):
             out += [(name, c, True)] if c not in [o[1] for o in out] else []
-        # Its two consumers on half-height tiles in turn (kernels/wgrad_pingpong.py), at the
-        # default's stages and at 4 (what fits beside the two store buffers).
-        pp = ws._replace(pingpong=True)
-        out += [("pp", pp, True), ("pp_s4", pp._replace(num_stages=4), True)]
         out += [("persistent", plain._replace(persistent=True), True),
                 ("tmastore", plain._replace(store_tma=True), True),
                 ("persistent+tmastore", plain._replace(persistent=True, store_tma=True), True)]

@@ -139,10 +139,6 @@ class GemmConfig(NamedTuple):
     # Triton's range fix-ups (gated_act.py, FAST: the same bits for gate inputs >= -87.33).
     # False (variant part `exact`) keeps Triton's exp and division. Others ignore it.
     fast_act: bool = True
-    # wgrad with warp_specialize: two consumer warpgroups taking [block_m / 2, block_n] tiles
-    # in turn (kernels/wgrad_pingpong.py) instead of both on halves of one tile. Others
-    # ignore it.
-    pingpong: bool = False
 
     def launch_options(self) -> dict:
         """The launch keywords of the tile: warps, stages, contraction (fp_fusion.py), and
@@ -156,7 +152,7 @@ class GemmConfig(NamedTuple):
     @property
     def variant(self) -> str:
         """Short name: 'base', 'tma', 'persistent', 'tma+persistent', '+ws', '+noflat', '+tail',
-        '+pair', '+rN', '+store', '+exact', '+pp'."""
+        '+pair', '+rN', '+store', '+exact'."""
         parts = (["tma"] if self.tma else []) + (["persistent"] if self.persistent else [])
         if self.persistent and self.warp_specialize:
             parts.append("ws")
@@ -172,8 +168,6 @@ class GemmConfig(NamedTuple):
             parts.append("store")
         if not self.fast_act:
             parts.append("exact")
-        if self.pingpong:
-            parts.append("pp")
         return "+".join(parts) or "base"
 
     def with_variant(self, name: str) -> GemmConfig:
@@ -182,18 +176,17 @@ class GemmConfig(NamedTuple):
         parts = set(name.split("+")) - {"base"}
         caps = {p for p in parts if p[:1] == "r" and p[1:].isdigit()}
         unknown = parts - caps - {"tma", "persistent", "ws", "noflat", "tail", "pair", "store",
-                                  "exact", "pp"}
+                                  "exact"}
         if unknown or len(caps) > 1:
             bad = sorted(unknown)[0] if unknown else sorted(caps)[1]
             raise ValueError(f"GemmConfig: unknown variant part {bad!r} in {name!r}; parts "
-                             "are tma, persistent, ws, noflat, tail, pair, store, exact, pp "
-                             "and one rN (a register cap)")
+                             "are tma, persistent, ws, noflat, tail, pair, store, exact and "
+                             "one rN (a register cap)")
         return self._replace(tma="tma" in parts, persistent="persistent" in parts,
                              warp_specialize="ws" in parts, flatten="noflat" not in parts,
                              split_tail="tail" in parts, paired="pair" in parts,
                              maxnreg=int(next(iter(caps))[1:]) if caps else None,
-                             store_tma="store" in parts, fast_act="exact" not in parts,
-                             pingpong="pp" in parts)
+                             store_tma="store" in parts, fast_act="exact" not in parts)
 
 
 def route_block_m(num_routes: int, num_experts: int, device: torch.device) -> int:

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from . import gemm_launch as gl
 from . import tma
-from . import wgrad_pingpong, wgrad_ws
+from . import wgrad_ws
 from .env import flag_from_env
 from .fp_fusion import FUSED
 from .gemm_config import GemmConfig, tile_from_env
@@ -310,11 +310,8 @@ def _warp_specialized(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool
             and wgrad_ws.fits(l_rows, r_rows, out_EMN, gather_l, gather_r, cfg.block_m,
                               cfg.block_n, cfg.block_k, accumulate)):
         return False
-    launch = wgrad_ws.expert_wgrad_ws
-    if cfg.pingpong and wgrad_pingpong.fits(cfg.block_m, cfg.block_n):
-        launch = wgrad_pingpong.expert_wgrad_pingpong
     ran = gl.gluon_launch("wgrad", (cfg, gather_l, l_rows.dtype, m, n),
-                          lambda: launch(
+                          lambda: wgrad_ws.expert_wgrad_ws(
                               l_rows, r_rows, routes.slot_token, routes.expert_starts,
                               routes.expert_counts, routes.token_slots.shape[0],
                               routes.num_slots, out_EMN, gather_l, cfg.block_m, cfg.block_n,

@@ -118,48 +118,11 @@ if GLUON:
             pid_n = n_pid_n
 
     @gluon.jit
-    def tile_k_loop(s_bufs, g_bufs, ready_s, ready_g, empty, acc, count, it,
-                    GATHER_L: gl.constexpr, BLOCK_K: gl.constexpr):
-        """One tile's K loop over the ring from position `it`, each stage handed back once
-        the wgmma after it has been issued. Returns (acc, the ring position after, the last
-        stage, still to be handed back once its wgmma is waited for: tile_store)."""
-        STAGES: gl.constexpr = s_bufs.shape[0]
-        prev = 0
-        for k0 in range(0, count, BLOCK_K):
-            stage = it % STAGES
-            phase = (it // STAGES) & 1
-            await_gathered_stage(ready_s, ready_g, stage, phase)
-            if GATHER_L:
-                a = g_bufs.index(stage).permute((1, 0))
-                b = s_bufs.index(stage)
-            else:
-                a = s_bufs.index(stage).permute((1, 0))
-                b = g_bufs.index(stage)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            # The wgmma before this one has read its stage: hand it back.
-            mbarrier.arrive(empty.index(prev), pred=k0 > 0)
-            prev = stage
-            it += 1
-        return acc, it, prev
-
-    @gluon.jit
-    def tile_store(dw_desc, empty, out_buf, acc, count, prev, row, col):
-        """The end of a tile: its last wgmma waited for and its stage handed back, then the
-        tile stored by TMA at (row, col) through out_buf (after this caller's previous store
-        has left it)."""
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(empty.index(prev), pred=count > 0)
-        tma.store_wait(0)
-        out_buf.store(acc.to(dw_desc.dtype))
-        fence_async_shared()
-        tma_store(dw_desc, [row, col], out_buf)
-
-    @gluon.jit
     def _consumer(dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty, out_buf,
                   M, N, num_tiles, GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                   num_warps: gl.constexpr):
+        STAGES: gl.constexpr = s_bufs.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
         tiles_m = gl.cdiv(M, BLOCK_M)
@@ -169,32 +132,30 @@ if GLUON:
             expert, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
             count = gl.load(expert_count_ptr + expert)
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
-            acc, it, prev = tile_k_loop(s_bufs, g_bufs, ready_s, ready_g, empty, acc, count, it,
-                                        GATHER_L, BLOCK_K)
-            tile_store(dw_desc, empty, out_buf, acc, count, prev, expert * M + pid_m * BLOCK_M,
-                       pid_n * BLOCK_N)
+            prev = 0
+            for k0 in range(0, count, BLOCK_K):
+                stage = it % STAGES
+                phase = (it // STAGES) & 1
+                await_gathered_stage(ready_s, ready_g, stage, phase)
+                if GATHER_L:
+                    a = g_bufs.index(stage).permute((1, 0))
+                    b = s_bufs.index(stage)
+                else:
+                    a = s_bufs.index(stage).permute((1, 0))
+                    b = g_bufs.index(stage)
+                acc = warpgroup_mma(a, b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+                # The wgmma before this one has read its stage: hand it back.
+                mbarrier.arrive(empty.index(prev), pred=k0 > 0)
+                prev = stage
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            mbarrier.arrive(empty.index(prev), pred=count > 0)
+            tma.store_wait(0)  # the last tile's store has left out_buf
+            out_buf.store(acc.to(dw_desc.dtype))
+            fence_async_shared()
+            tma_store(dw_desc, [expert * M + pid_m * BLOCK_M, pid_n * BLOCK_N], out_buf)
         tma.store_wait(0)
-
-    @gluon.jit
-    def stage_ring(s_desc, GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                   PRODUCER_WARPS: gl.constexpr):
-        """The stages' buffers (slot-order boxes, gathered rows) and their three barriers."""
-        dtype: gl.constexpr = s_desc.dtype
-        G_COLS: gl.constexpr = BLOCK_M if GATHER_L else BLOCK_N
-        s_bufs = gl.allocate_shared_memory(dtype, [STAGES] + s_desc.block_type.shape,
-                                           s_desc.layout)
-        g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, G_COLS], dtype)
-        g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, G_COLS], g_layout)
-        ready_s = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready_g = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready_s.index(i), count=1)
-            # every producer thread arrives once its own cp.async copies have landed
-            mbarrier.init(ready_g.index(i), count=PRODUCER_WARPS * 32)
-            mbarrier.init(empty.index(i), count=1)
-        return s_bufs, g_bufs, ready_s, ready_g, empty
 
     @gluon.jit
     def _wgrad_ws_kernel(s_desc, g_ptr, dw_desc, slot_token_ptr, expert_start_ptr,
@@ -203,10 +164,21 @@ if GLUON:
                          BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                          num_warps: gl.constexpr):
-        s_bufs, g_bufs, ready_s, ready_g, empty = stage_ring(
-            s_desc, GATHER_L, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, PRODUCER_WARPS)
-        out_buf = gl.allocate_shared_memory(s_desc.dtype, dw_desc.block_type.shape,
-                                            dw_desc.layout)
+        dtype: gl.constexpr = s_desc.dtype
+        G_COLS: gl.constexpr = BLOCK_M if GATHER_L else BLOCK_N
+        s_bufs = gl.allocate_shared_memory(dtype, [STAGES] + s_desc.block_type.shape,
+                                           s_desc.layout)
+        g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, G_COLS], dtype)
+        g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, G_COLS], g_layout)
+        out_buf = gl.allocate_shared_memory(dtype, dw_desc.block_type.shape, dw_desc.layout)
+        ready_s = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_g = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_s.index(i), count=1)
+            # every producer thread arrives once its own cp.async copies have landed
+            mbarrier.init(ready_g.index(i), count=PRODUCER_WARPS * 32)
+            mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
             (_consumer, (dw_desc, expert_count_ptr, s_bufs, g_bufs, ready_s, ready_g, empty,
                          out_buf, M, N, num_tiles, GATHER_L, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -235,24 +207,17 @@ def fits(l_rows, r_rows, out_EMN, gather_l: bool, gather_r: bool, block_m: int,
     return rows_aligned(l_rows, r_rows, out_EMN.view(-1, n))
 
 
-def launch_geometry(l_rows, r_rows, out_EMN, gather_l: bool, block_m: int, block_n: int,
-                    block_k: int, num_programs: int):
-    """(slot-order operand's descriptor, gathered rows, dW's descriptor, M, N, tiles, grid)
-    of a launch over [block_m, block_n] tiles, one program an SM."""
-    num_experts, m, n = out_EMN.shape
-    s_rows, g_rows = (r_rows, l_rows) if gather_l else (l_rows, r_rows)
-    s_desc = descriptor(s_rows, (block_k, block_n) if gather_l else (block_k, block_m))
-    dw_desc = descriptor(out_EMN.view(num_experts * m, n), (block_m, block_n))
-    num_tiles = num_experts * (m // block_m) * (n // block_n)
-    return s_desc, g_rows, dw_desc, m, n, num_tiles, (min(num_tiles, num_programs),)
-
-
 def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, num_tokens: int,
                     num_slots: int, out_EMN, gather_l: bool, block_m: int, block_n: int,
                     block_k: int, group_m: int, stages: int, num_programs: int):
     """Fill out_EMN [E, M, N] with wgrad.expert_wgrad's sums (see `fits` for the cases)."""
-    s_desc, g_rows, dw_desc, m, n, num_tiles, grid = launch_geometry(
-        l_rows, r_rows, out_EMN, gather_l, block_m, block_n, block_k, num_programs)
+    num_experts, m, n = out_EMN.shape
+    s_rows, g_rows = (r_rows, l_rows) if gather_l else (l_rows, r_rows)
+    s_box = (block_k, block_n) if gather_l else (block_k, block_m)
+    s_desc = descriptor(s_rows, s_box)
+    dw_desc = descriptor(out_EMN.view(num_experts * m, n), (block_m, block_n))
+    num_tiles = num_experts * (m // block_m) * (n // block_n)
+    grid = (min(num_tiles, num_programs),)
     _wgrad_ws_kernel[grid](
         s_desc, g_rows, dw_desc, slot_token, expert_starts, expert_counts, m, n,
         num_tokens, num_slots, num_tiles, g_rows.stride(0),

@@ -34,10 +34,7 @@ def _hopper() -> bool:
 @pytest.mark.cuda
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Gluon")
 @pytest.mark.parametrize("case", SHAPES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("variant", ["ws", "pingpong", "pingpong_s4"])
-def test_cuda_warp_specialized_dw_is_bitwise_the_triton_kernel(case, variant, monkeypatch):
-    """`pingpong`: kernels/wgrad_pingpong.py, two consumers on half-height tiles in turn
-    (`_s4`: 4 stages)."""
+def test_cuda_warp_specialized_dw_is_bitwise_the_triton_kernel(case, monkeypatch):
     _, T, k, E, H, F = case
     cuda = torch.device("cuda")
     block = route_block_m(T * k, E, cuda)
@@ -46,10 +43,7 @@ def test_cuda_warp_specialized_dw_is_bitwise_the_triton_kernel(case, variant, mo
     for slot_order_l, n in ((False, F), (True, H)):  # dW_down's tile, then dW_gate_up's
         tile = wg.wgrad_config(n, cuda, 1024.0, slot_order_l=slot_order_l)
         want = _both_dw(problem, tile, True, monkeypatch)
-        ws_tile = tile._replace(warp_specialize=True, pingpong=variant != "ws")
-        if variant.endswith("_s4"):
-            ws_tile = ws_tile._replace(num_stages=4)
-        got = _both_dw(problem, ws_tile, True, monkeypatch)
+        got = _both_dw(problem, tile._replace(warp_specialize=True), True, monkeypatch)
         ran = dict(wg.LAST_WGRAD_WS)
         torch.cuda.synchronize()
         for gather_l, (g, _), (w, _) in zip((True, False), got, want):
@@ -161,36 +155,3 @@ def test_expert_wgrad_takes_the_warp_specialized_kernel_where_asked(fails, monke
     assert wg.LAST_WGRAD_WS == {True: not fails, False: not fails}
     for (g, _), (w, _) in zip(got, want):
         assert torch.equal(g, w)
-
-
-def test_a_pingpong_config_takes_the_pingpong_launcher_where_its_tile_splits(monkeypatch):
-    """`GemmConfig.pingpong` (with warp_specialize) routes to wgrad_pingpong.py's launcher
-    when the tile's rows split into two 64-row-slice halves, else to wgrad_ws.py's."""
-    import moegraph_kernels.wgrad_pingpong as pp
-    assert pp.fits(256, 128) and pp.fits(128, 256)
-    assert not pp.fits(64, 128) and not pp.fits(192, 128) and not pp.fits(128, 512)
-    assert pp.consumer_tile(256, 128) == (128, 128) and pp.consumer_tile(128, 256) == (64, 256)
-    monkeypatch.setattr(gl, "_FAILED_VARIANTS", {})
-    problem = _problem(CASES[1], None, "cpu", torch.float32, 16)
-    want = _both_dw(problem, CPU_CFG, True, monkeypatch)
-    calls = []
-
-    def stand_in(name):
-        def launch(l_rows, r_rows, slot_token, starts, counts, num_tokens, num_slots, out,
-                   gather_l, block_m, *tile):
-            calls.append((name, block_m))
-            out.copy_(want[0 if gather_l else 1][0])
-        return launch
-
-    monkeypatch.setattr(ws, "available", lambda device: True)
-    monkeypatch.setattr(ws, "fits", lambda *args: True)
-    monkeypatch.setattr(ws, "expert_wgrad_ws", stand_in("ws"))
-    monkeypatch.setattr(pp, "expert_wgrad_pingpong", stand_in("pp"))
-    cfg = CPU_CFG._replace(warp_specialize=True, pingpong=True)
-    _both_dw(problem, cfg._replace(block_m=128), True, monkeypatch)
-    _both_dw(problem, cfg, True, monkeypatch)  # CPU_CFG's 32 rows do not split
-    assert calls == [("pp", 128), ("pp", 128), ("ws", CPU_CFG.block_m),
-                     ("ws", CPU_CFG.block_m)]
-    persistent = cfg._replace(persistent=True)
-    assert persistent.variant == "persistent+ws+pp"
-    assert persistent.with_variant(persistent.variant) == persistent
