@@ -46,6 +46,10 @@ tma.py and gemm_launch.py; the default is the pointer path with one program per 
 - `paired` (fc1_swiglu with `tma`, 2 BN <= 256): gate and up as one weight box; see
   fc1_swiglu.py. In dact_swiglu (where 2 BN divides F): a [BM, 2 BN] tile, one dot a K
   step, its epilogue in BN / 2 quarters; see dact_swiglu.py.
+- `fast_act` (default on; the variant part `exact` turns it off): fc1_swiglu's and
+  dact_swiglu's gated activation without the range fix-ups of Triton's fp32 exp and division
+  (gated_act.py, FAST): bitwise the plain path for gate inputs >= -87.33. CPU launches ignore
+  it (the interpreter has no inline assembly).
 Every variant computes each output tile with the default's tile shape and K order, so on a GPU
 its results are bitwise equal to the default path's (the cuda tests check it); dact's paired
 tile writes dp_part in quarter columns, which sum in other groups (its dY1 and A are
