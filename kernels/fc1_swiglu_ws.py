@@ -36,6 +36,7 @@ kernel otherwise.
 from __future__ import annotations
 
 from .fp_fusion import FUSED
+from .gated_act import EX2_FTZ, NEG_LOG2E, RCP_FTZ
 from .gluon_hopper import GL_DTYPES, GLUON, descriptor, rows_aligned
 
 if GLUON:
@@ -214,11 +215,10 @@ if GLUON:
                     # gated_act.swiglu_forward's FAST path (the Triton kernels' on a GPU), in
                     # its order of operations; each thread overwrites only the elements it
                     # read.
-                    e = 1.0 + gl.inline_asm_elementwise(
-                        "ex2.approx.ftz.f32 $0, $1;", "=f,f", [g * -1.4426950216293334961],
-                        dtype=gl.float32, is_pure=True, pack=1)
-                    r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [e],
-                                                  dtype=gl.float32, is_pure=True, pack=1)
+                    e = 1.0 + gl.inline_asm_elementwise(EX2_FTZ, "=f,f", [g * NEG_LOG2E],
+                                                        dtype=gl.float32, is_pure=True, pack=1)
+                    r = gl.inline_asm_elementwise(RCP_FTZ, "=f,f", [e], dtype=gl.float32,
+                                                  is_pure=True, pack=1)
                     act = g * r * u * p.to(gl.float32)[:, None]
                     g_rows.store(act.to(g_buf.dtype))
                 fence_async_shared()

@@ -39,23 +39,30 @@ import triton
 import triton.language as tl
 
 
+# The FAST path's instructions, also spelled out by the Gluon FC1 (fc1_swiglu_ws.py): 2 ** y
+# and 1 / y without denormal handling, and the factor that makes x * NEG_LOG2E = -x * log2 e
+# (the fp32 log2 e of Triton's own exp).
+EX2_FTZ = tl.constexpr("ex2.approx.ftz.f32 $0, $1;")
+RCP_FTZ = tl.constexpr("rcp.approx.ftz.f32 $0, $1;")
+NEG_LOG2E = tl.constexpr(-1.4426950216293334961)
+
+
 @triton.jit
 def _one_plus_exp_neg(x, FAST: tl.constexpr):
     """1 + exp(-x), fp32 (see FAST in the module docstring)."""
     if FAST:
-        return 1.0 + tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950216293334961],
-            dtype=tl.float32, is_pure=True, pack=1)
+        return 1.0 + tl.inline_asm_elementwise(EX2_FTZ, "=f,f", [x * NEG_LOG2E],
+                                               dtype=tl.float32, is_pure=True, pack=1)
     else:
         return 1.0 + tl.exp(-x)
 
 
 @triton.jit
-def _recip(e, FAST: tl.constexpr):
-    """1 / e for e >= 1 as the factor a / e is a times (FAST: rcp.approx.ftz; see the module
-    docstring). Only the FAST path calls it: the plain one divides."""
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [e],
-                                     dtype=tl.float32, is_pure=True, pack=1)
+def _recip(e):
+    """1 / e for e >= 1, the factor a / e is a times on the FAST path (see the module
+    docstring); the plain path divides."""
+    return tl.inline_asm_elementwise(RCP_FTZ, "=f,f", [e], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
@@ -63,7 +70,7 @@ def swiglu_forward(g, u, p, FAST: tl.constexpr = False):
     """fp32 [BM, BN] gate and up tiles, p [BM, 1]: silu(g) * u * p (torch's silu formula)."""
     e = _one_plus_exp_neg(g, FAST)
     if FAST:
-        return g * _recip(e, FAST) * u * p
+        return g * _recip(e) * u * p
     else:
         return g / e * u * p
 
@@ -73,7 +80,7 @@ def swiglu_backward(da, g, u, p, FAST: tl.constexpr = False):
     """fp32 tiles; returns (dg, du, dp_part) with dp_part the [BM] sum over this tile's columns."""
     e = _one_plus_exp_neg(g, FAST)
     if FAST:
-        sig = _recip(e, FAST)
+        sig = _recip(e)
         silu_g = g * sig
     else:
         sig = 1.0 / e
@@ -89,7 +96,7 @@ def _sigmoid(x, FAST: tl.constexpr):
     """1 / (1 + exp(-x)), fp32."""
     e = _one_plus_exp_neg(x, FAST)
     if FAST:
-        return _recip(e, FAST)
+        return _recip(e)
     else:
         return 1.0 / e
 

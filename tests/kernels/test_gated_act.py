@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 import moegraph_kernels.gemm_config as gc
+from moegraph_kernels.fp_fusion import FUSED
 from moegraph_kernels.gated_act import gated_backward, gated_forward
 
 ALPHA, LIMIT = 1.702, 7.0  # GPT-OSS's clamped SwiGLU
@@ -43,7 +44,7 @@ def _run(g, u, da, clamped: bool, fast: bool) -> torch.Tensor:
     n = g.numel()
     out = torch.full((4, n), float("nan"), device=g.device)
     _act_kernel[(triton.cdiv(n, 256),)](g, u, da, out, n, ALPHA, LIMIT, CLAMPED=clamped,
-                                        FAST=fast, BLOCK=256, enable_fp_fusion=True)
+                                        FAST=fast, BLOCK=256, enable_fp_fusion=FUSED)
     return out
 
 
