@@ -5,7 +5,9 @@ Forward, per row (the torch it replaces is `rms_norm_ref`, moegraph_cli/models/c
     y = w * (x32 * r).to(x.dtype)                                   a torch mul: both operands
                                                                     in fp32, rounded once to
                                                                     y's dtype promote(x, w)
-Backward, given dy (y's dtype), with xc = round_x(x32 * r) recomputed from x and r:
+Backward, given dy (y's dtype; with a second gradient dy2 of the same y, dy = round_y(dy + dy2)
+first, as autograd sums the gradients of a tensor with two consumers), with xc = round_x(x32 * r)
+recomputed from x and r:
     dxc = round_x(round_y(dy * w))                                  mul backward, cast to xc's
     dx  = round_x(dxc * r - (sum(dxc * x32) * r^3 * inv_d) * x32)   fp32 math, rounded once
     dW  = round_w(round_y(sum over rows of round_y(dy * xc)))       fp32 partials, see below
@@ -91,9 +93,9 @@ def _rmsnorm_fwd_kernel(
 
 @triton.jit
 def _rmsnorm_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dres_ptr,
-    n_rows, D, stride_dy, stride_x, stride_dres, inv_d, n_blocks,
-    HAS_DW: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dres_ptr, dy2_ptr,
+    n_rows, D, stride_dy, stride_x, stride_dres, stride_dy2, inv_d, n_blocks,
+    HAS_DW: tl.constexpr, HAS_RES: tl.constexpr, HAS_DY2: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     X_DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -114,6 +116,9 @@ def _rmsnorm_bwd_kernel(
                     other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask,
                      other=0.0).to(tl.float32)
+        if HAS_DY2:  # y's second consumer: the sum autograd would form, rounded to y's dtype
+            dy = round_to(dy + tl.load(dy2_ptr + rows64[:, None] * stride_dy2 + cols[None, :],
+                                       mask=mask, other=0.0).to(tl.float32), Y_DT)
         r = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
         if HAS_DW:
             xc = round_to(x * r[:, None], X_DT)
@@ -243,21 +248,28 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                       rstd: torch.Tensor, need_dw: bool = True,
                       dw_out: torch.Tensor | None = None, accumulate: bool = False,
-                      dres: torch.Tensor | None = None
+                      dres: torch.Tensor | None = None, dy2: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx [..., D] contiguous in x's dtype, dW or None). dW goes into dw_out when given
     (written, or added with `accumulate`) and is then returned as None; see the docstring.
     `dres` (x's shape and dtype): the gradient of a skip connection that also reads x, added
-    to dx as autograd adds two gradients (dx rounded to x's dtype first, one fp32 sum)."""
+    to dx as autograd adds two gradients (dx rounded to x's dtype first, one fp32 sum).
+    `dy2` (dy's shape and dtype): a second gradient of y, from y's second consumer, summed
+    with dy as autograd sums the two (one fp32 sum rounded to y's dtype) before anything
+    else reads dy."""
     D = x.shape[-1]
-    x2, dy2 = _rows(x, "x"), _rows(dy, "dy")
+    x2, dy_rows = _rows(x, "x"), _rows(dy, "dy")
     n_rows = x2.shape[0]
-    if dy2.shape != x2.shape:
+    if dy_rows.shape != x2.shape:
         raise ValueError(f"rmsnorm: dy has shape {list(dy.shape)}, x {list(x.shape)}")
     res2 = None if dres is None else _rows(dres, "dres")
     if res2 is not None and (res2.shape != x2.shape or dres.dtype != x.dtype):
         raise ValueError(f"rmsnorm: dres is {dres.dtype} {list(dres.shape)}, x {x.dtype} "
                          f"{list(x.shape)}")
+    dy2_rows = None if dy2 is None else _rows(dy2, "dy2")
+    if dy2_rows is not None and (dy2_rows.shape != x2.shape or dy2.dtype != dy.dtype):
+        raise ValueError(f"rmsnorm: dy2 is {dy2.dtype} {list(dy2.shape)}, dy {dy.dtype} "
+                         f"{list(dy.shape)}")
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0 or D == 0:
         dx.zero_()
@@ -273,10 +285,12 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     n_parts = num_partials(x.device, n_blocks)
     part = scratch((n_parts, D), x.device) if need_dw else rstd  # rstd: an unused pointer
     _rmsnorm_bwd_kernel[(n_parts,)](
-        dy2, x2, weight.contiguous(), rstd, dx, part, dy2 if res2 is None else res2, n_rows, D,
-        dy2.stride(0), x2.stride(0), 0 if res2 is None else res2.stride(0), 1.0 / D, n_blocks,
-        HAS_DW=need_dw, HAS_RES=res2 is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=warps, enable_fp_fusion=False)
+        dy_rows, x2, weight.contiguous(), rstd, dx, part, dy_rows if res2 is None else res2,
+        dy_rows if dy2_rows is None else dy2_rows, n_rows, D, dy_rows.stride(0), x2.stride(0),
+        0 if res2 is None else res2.stride(0), 0 if dy2_rows is None else dy2_rows.stride(0),
+        1.0 / D, n_blocks, HAS_DW=need_dw, HAS_RES=res2 is not None,
+        HAS_DY2=dy2_rows is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+        enable_fp_fusion=False)
     if not need_dw:
         return dx, None
     dw = reduce_dw(part, dy.dtype, weight.dtype, dw_out, accumulate)

@@ -148,6 +148,57 @@ def test_skip_gradient_is_added_as_autograd_adds_it(lead, D):
         K.rms_norm_backward(dy, x, w, rstd, dres=dres.double())
 
 
+@pytest.mark.parametrize("lead,D", SHAPES)
+def test_second_gradient_is_summed_as_autograd_sums_it(lead, D):
+    """dy2 (a second consumer's gradient of y, a strided view) is summed with dy in the kernel:
+    the same bits as the backward of torch's dy + dy2, with or without a skip's dres."""
+    x, w, dy = _inputs(lead, D, seed=D + 3)
+    dy2 = _inputs(lead, D, seed=D + 4)[0] * 3
+    dres = _inputs(lead, D, seed=D + 5)[0]
+    _, rstd = K.rms_norm_forward(x, w, EPS)
+    for res in (None, dres):
+        dx, dw = K.rms_norm_backward(dy + dy2, x, w, rstd, dres=res)
+        dx2, dw2 = K.rms_norm_backward(dy, x, w, rstd, dres=res, dy2=dy2)
+        assert torch.isfinite(dx2).all() and torch.equal(dx2, dx) and torch.equal(dw2, dw)
+    with pytest.raises(ValueError, match="dy2 is"):
+        K.rms_norm_backward(dy, x, w, rstd, dy2=dy2.double())
+    with pytest.raises(ValueError, match="dy2 is"):
+        K.rms_norm_backward(dy, x, w, rstd, dy2=dy2[..., :-1])
+
+
+@pytest.mark.parametrize("fork_on", [True, False])
+@pytest.mark.parametrize("used", ["both", "first", "second"])
+def test_norm_fork_matches_the_norm_and_autograds_adds(fork_on, used, monkeypatch):
+    """norm.rms_norm_fork on the kernels: both outputs y, and x.grad / w.grad of
+    `x + f(y) + g(y')`, bitwise those of the norm alone with autograd summing the three
+    gradients (an unused output contributes nothing); MOEGRAPH_NORM_FORK=0 the same bits."""
+    from moegraph_cli.models.common import norm
+    monkeypatch.setattr(fused, "ON_CPU", True)
+    monkeypatch.setattr(fused, "NORM_SKIP", True)
+    x, w, _ = _inputs((4, 6), 48, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    d1, d2 = torch.randn(4, 6, 48, generator=gen), torch.randn(4, 6, 48, generator=gen)
+
+    def run(fn):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y1, y2, skip = fn(xr, wr)
+        out = skip + (y1 * d1 if used != "second" else 0) + (y2.exp() if used != "first" else 0)
+        out.backward(torch.ones_like(out))
+        return y1.detach(), y2.detach(), xr.grad, wr.grad
+
+    def plain(xr, wr):
+        y = norm.rms_norm(xr, wr, EPS)
+        return y, y, xr
+
+    want = run(plain)
+    monkeypatch.setattr(fused, "NORM_FORK", fork_on)
+    got = run(lambda xr, wr: norm.rms_norm_fork(xr, wr, EPS))
+    for g, w_ in zip(got, want):
+        assert torch.equal(g, w_)
+    with pytest.raises(ValueError, match="fork=True needs skip=True"):
+        norm.RMSNorm(48, EPS)(x, fork=True)
+
+
 @pytest.mark.parametrize("skip_used", [True, False])
 def test_norm_with_skip_matches_the_norm_and_autograds_add(skip_used, monkeypatch):
     """norm.rms_norm_skip on the kernels: y, and x.grad / w.grad of `x + f(norm(x))`, bitwise

@@ -90,7 +90,7 @@ def test_switch_reaches_the_kernels(monkeypatch):
     """ON_CPU routes norms and the rope through the kernels (their outputs differ from torch's
     in the last bits), ENABLED = False restores the torch path bitwise."""
     calls = []
-    for name in ("rms_norm", "rms_norm_skip", "rope"):
+    for name in ("rms_norm", "rms_norm_skip", "rms_norm_fork", "rope"):
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, _f=real, _n=name, **k: (calls.append(_n),
                                                                              _f(*a, **k))[1])
@@ -101,9 +101,11 @@ def test_switch_reaches_the_kernels(monkeypatch):
         assert calls == []
         monkeypatch.setattr(fused, "ON_CPU", True)
         model(ids)
-        # 2 layers: input + post norms (each with its skip connection), q and k ropes (norm
-        # fused in); the final norm.
-        assert calls.count("rms_norm_skip") == 4 and calls.count("rms_norm") == 1
+        # 2 layers: input norms (with their skip connection), post norms (with their skip
+        # connection and two consumers, router and experts), q and k ropes (norm fused in);
+        # the final norm.
+        assert calls.count("rms_norm_skip") == 2 and calls.count("rms_norm_fork") == 2
+        assert calls.count("rms_norm") == 1
         assert calls.count("rope") == 4
         monkeypatch.setattr(fused, "ENABLED", False)
         assert torch.equal(model(ids).logits, want)

@@ -127,22 +127,29 @@ class MoeScope(Scope):
 
     def body(self, h_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, seq, hidden = h_BSH.shape
-        y_BSH, skip = self.post_norm(h_BSH, skip=True)
+        if self.shared_expert is None:
+            # The router and the experts read the norm's output: each its own, so the norm's
+            # backward kernel sums their gradients (norm.rms_norm_fork).
+            y_BSH, yr_BSH, skip = self.post_norm(h_BSH, skip=True, fork=True)
+        else:
+            y_BSH, skip = self.post_norm(h_BSH, skip=True)
+            yr_BSH = y_BSH
         x_TH = y_BSH.view(batch * seq, hidden)
+        xr_TH = yr_BSH.view(batch * seq, hidden)  # the router's operand
         if self.grouped:
             topk_ids_TK, topk_weights_TK, probs_TE = route_grouped(
-                x_TH, grads.through(self.router.weight), self.e_score_correction_bias,
+                xr_TH, grads.through(self.router.weight), self.e_score_correction_bias,
                 self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
                 self.routed_scaling_factor)
             if self.bias_update_rate > 0 and not recomputing():
                 self.expert_load.add_(expert_load_E(topk_ids_TK, self.expert_load.shape[0]))
         elif self.topk_softmax:
             topk_ids_TK, topk_weights_TK, probs_TE = route_topk_softmax(
-                x_TH, grads.through(self.router.weight), grads.through(self.router.bias),
+                xr_TH, grads.through(self.router.weight), grads.through(self.router.bias),
                 self.top_k)
         else:
             topk_ids_TK, topk_weights_TK, probs_TE = route(
-                x_TH, grads.through(self.router.weight), self.top_k, self.norm_topk_prob)
+                xr_TH, grads.through(self.router.weight), self.top_k, self.norm_topk_prob)
         experts = experts_fn(self.backend, x_TH.device, self.recompute == "fc1")
         if self.ep is not None:
             kind = dispatch_kind(self.ep.size, x_TH.shape[0], self.top_k, self.ep.num_experts,

@@ -28,6 +28,10 @@ ON_CPU = False
 # A norm whose input also feeds a skip connection adds the skip's gradient in its backward
 # kernel (`rms_norm_skip`) instead of a separate add: MOEGRAPH_NORM_SKIP=0 turns it off.
 NORM_SKIP = os.environ.get("MOEGRAPH_NORM_SKIP", "1") not in ("0", "")
+# A norm output read by two consumers (the MoE layer's router and experts) hands each its own
+# output, and the backward kernel sums their gradients (`rms_norm_fork`) instead of autograd's
+# separate add: MOEGRAPH_NORM_FORK=0 turns it off.
+NORM_FORK = os.environ.get("MOEGRAPH_NORM_FORK", "1") not in ("0", "")
 # The rope's output layout (kernels/rope.py): "bsnd" (default) or "bnsd", MOEGRAPH_ROPE_LAYOUT.
 ROPE_LAYOUT = os.environ.get("MOEGRAPH_ROPE_LAYOUT", "bsnd")
 
@@ -53,15 +57,16 @@ def _norm_forward(ctx, x, weight, eps):
     return y
 
 
-def _norm_backward(ctx, dy, dres=None):
-    """(dx, dW, None) of the norm, dres (a skip connection's gradient) added to dx."""
+def _norm_backward(ctx, dy, dres=None, dy2=None):
+    """(dx, dW, None) of the norm, dres (a skip connection's gradient) added to dx, dy2 (the
+    second consumer's gradient of y) summed with dy first."""
     from moegraph_kernels.rmsnorm import rms_norm_backward
 
     x, weight, rstd = ctx.saved_tensors
     need_dw = ctx.needs_input_grad[1]
     dw_out, acc = _grad_target(weight) if need_dw else (None, False)
     dx, dw = rms_norm_backward(dy, x, weight, rstd, need_dw=need_dw, dw_out=dw_out,
-                               accumulate=acc, dres=dres)
+                               accumulate=acc, dres=dres, dy2=dy2)
     return (dx if ctx.needs_input_grad[0] else None), dw, None
 
 
@@ -101,6 +106,31 @@ def rms_norm_skip(x: torch.Tensor, weight: torch.Tensor, eps: float
     """(norm.rms_norm(x), x as the skip connection's operand), the skip's gradient added in
     the norm's backward kernel."""
     return _RMSNormSkip.apply(x, weight, eps)
+
+
+class _RMSNormFork(torch.autograd.Function):
+    """(y, y', x): the norm twice (y' a view of y) and its input, for two consumers of the
+    norm and a skip connection. The backward gets the three gradients and sums the first two
+    in the norm's kernel, the same bits as autograd's add of them (an fp32 sum rounded to y's
+    dtype: commutative, so their order of arrival does not matter), one pass fewer over
+    [rows, D]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y = _norm_forward(ctx, x, weight, eps)
+        return y, y.view_as(y), x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dy2, dskip):
+        return _norm_backward(ctx, dy, dskip.to(ctx.saved_tensors[0].dtype), dy2.to(dy.dtype))
+
+
+def rms_norm_fork(x: torch.Tensor, weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(norm.rms_norm(x) for a first consumer, the same values for a second, x as the skip
+    connection's operand): the three gradients summed in the norm's backward kernel."""
+    return _RMSNormFork.apply(x, weight, eps)
 
 
 class _Rope(torch.autograd.Function):

@@ -29,16 +29,33 @@ def rms_norm_skip(x: torch.Tensor, weight: torch.Tensor, eps: float
     return rms_norm(x, weight, eps), x
 
 
+def rms_norm_fork(x: torch.Tensor, weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, y, x) with y = rms_norm(x), for two consumers of y and a skip connection
+    (`x + f(y) + g(y)`). On the kernels (fused.NORM_FORK, fused.NORM_SKIP) each consumer gets
+    its own output and the three gradients are summed inside the norm's backward; otherwise
+    autograd sums them. The same values either way."""
+    if fused.NORM_FORK and fused.NORM_SKIP and fused.active(x):
+        return fused.rms_norm_fork(x, weight, eps)
+    y, skip = rms_norm_skip(x, weight, eps)
+    return y, y, skip
+
+
 class RMSNorm(torch.nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, skip: bool = False):
-        """rms_norm(x); with `skip`, (rms_norm(x), x) for a skip connection (rms_norm_skip).
+    def forward(self, x: torch.Tensor, skip: bool = False, fork: bool = False):
+        """rms_norm(x); with `skip`, (rms_norm(x), x) for a skip connection (rms_norm_skip);
+        with `fork` too, (rms_norm(x), rms_norm(x), x) for two consumers (rms_norm_fork).
         Through the module call either way, so forward hooks see the norm (its output a
         tuple with `skip`)."""
+        if fork:
+            if not skip:
+                raise ValueError("RMSNorm: fork=True needs skip=True")
+            return rms_norm_fork(x, self.weight, self.eps)
         if skip:
             return rms_norm_skip(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
