@@ -22,7 +22,8 @@ runs):
 - `transformers`: the family's transformers class on the same shapes (config from the
   profile, random weights, bf16, SDPA or the class's eager attention where it has none,
   experts through `--hf-experts` where the class takes `experts_implementation`, torch's
-  fused AdamW), in a fresh process per variant: `eager`, and `compile` (the model under
+  fused AdamW), in a fresh process per variant, run before moegraph's phases (so this
+  process holds no model on the GPU meanwhile): `eager`, and `compile` (the model under
   torch.compile; `first_step_s` is the first step's wall time, compilation included). Median
   step ms (CUDA events, after two warm-up steps) and peak reserved bytes; `speedup` is its
   step time over that of moegraph's fastest mode.
@@ -231,6 +232,12 @@ def run_transformers(name: str, variant: str, args) -> dict:
 def run_profile(name: str, args) -> dict:
     rec: dict = {"profile": name}
     extra = [x for s in args.set for x in ("--set", s)]
+    # transformers first, each variant in its own process while this one holds no model: after
+    # the moegraph phases this process kept about 26 GB of the loaded 4-layer Qwen3-30B on the
+    # GPU, and transformers + torch.compile (about 53 GB) then ran out of memory on an 80 GB
+    # card in two runs of three.
+    hf_runs = {v: run_transformers(name, v, args)
+               for v in filter(None, args.transformers.split(","))}
     try:
         rec.update(run_moegraph(name, args))
     except Exception as e:  # noqa: BLE001 - record it and go on
@@ -249,8 +256,7 @@ def run_profile(name: str, args) -> dict:
                 "fallback": (doc.get("counters") or {}).get("fallback"),
                 "grad_max_abs": doc.get("grad_max_abs")})
     rec["transformers"] = {}
-    for variant in filter(None, args.transformers.split(",")):
-        hf = run_transformers(name, variant, args)
+    for variant, hf in hf_runs.items():
         best = min((rec.get(m, {}).get("step_ms") or float("inf") for m in
                     ("eager", "attn,moe", "step")))
         if hf.get("step_ms") and best < float("inf"):
