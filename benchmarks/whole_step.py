@@ -151,6 +151,9 @@ def run_moegraph(name: str, args) -> dict:
     del model, trainer
     gc.collect()
     torch.cuda.empty_cache()
+    # what this process still holds once the model is gone (a leak shows here)
+    rec["left_on_gpu"] = {"allocated": torch.cuda.memory_allocated(),
+                          "reserved": torch.cuda.memory_reserved()}
     return rec
 
 
