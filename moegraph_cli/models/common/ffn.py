@@ -9,8 +9,11 @@ experts' activation `act`, moe/activation.py), combine, optional shared expert (
 SwiGLU every token passes through, scaled by `sigmoid(shared_expert_gate(x))` (Qwen2-MoE) or
 ungated (`shared_gate=False`, DeepSeek-V3), added to the routed experts' output), residual.
 With `moe.bias_update_rate` > 0 the grouped router also counts its routes per expert on the
-device (`expert_load`); `update_router_bias_` applies the bias rule after the step. It returns the layer output and the layer's `[2, E]` load-balancing statistics, an
-extra output so the scope stays a pure tensors-in/tensors-out unit that can be graphed.
+device (`expert_load`); `update_router_bias_` applies the bias rule after the step. It
+returns the layer output and the layer's `[2, E]` load-balancing statistics, an extra output
+so the scope stays a pure tensors-in/tensors-out unit that can be graphed. Without a shared
+expert the post norm hands the router and the experts each its own output, and its backward
+kernel sums their two gradients (norm.rms_norm_fork, MOEGRAPH_NORM_FORK).
 The experts run through `reference_experts` (pure torch, the CPU path) or
 `permute_free_experts` (Triton, sync-free, the CUDA path); both have one signature. Without
 EP or a shared expert the residual is handed to them (`residual=`): the permute-free combine
