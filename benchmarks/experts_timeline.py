@@ -9,7 +9,8 @@ captured in one CUDA graph (as experts.py times it), then
 - `replay_ms`: back-to-back replays timed with CUDA events (median of 5 rounds of `--replays`);
 - from the profiler (CUPTI) over `--replays` replays: each kernel's start and end, so per
   replay the summed kernel time, the span from its first kernel's start to its last one's end,
-  the idle time between kernels and the largest gaps with the kernels on both sides;
+  the idle time between kernels and the largest gaps with the kernels on both sides, and
+  each kernel's time per replay (`kernels`, largest first);
 - from NVML, sampled every 20 ms while 2 s of replays run: the SM clock (MHz), power (W) and
   the throttle reasons seen (a power-capped GPU runs its GEMMs slower than a short profile).
 
@@ -46,7 +47,14 @@ def timeline(events, replays: int) -> dict:
         if s1 > e0:
             gaps.append((s1 - e0, n0[:60], n1[:60]))
     gaps.sort(reverse=True)
+    per_kernel: dict[str, list[float]] = {}
+    for start, end, name in events:
+        per_kernel.setdefault(name[:80], []).append(end - start)
+    kernels = sorted(({"name": n, "launches_per_replay": len(d) / replays,
+                       "us_per_replay": sum(d) / replays} for n, d in per_kernel.items()),
+                     key=lambda k: -k["us_per_replay"])
     return {"kernels_per_replay": len(events) / replays,
+            "kernels": kernels,
             "kernel_ms_per_replay": busy / replays / 1e3,
             "span_ms_per_replay": span / replays / 1e3,
             "idle_ms_per_replay": sum(g for g, _, _ in gaps) / replays / 1e3,

@@ -303,9 +303,13 @@ def _count(ids_N, keep_N, has_keep: bool, num_experts: int):
     """Steps 1 and 2: (chunk_counts [C, E] scanned to each chunk's first rank, the totals
     expert_counts [E]), int32."""
     block_e, block_n, _, warps = _tiles(num_experts, ids_N.device)
-    block_c, block_eg = (128, 16) if ids_N.device.type == "cuda" else (4, 8)
     num_routes = ids_N.numel()
     num_chunks = max(1, triton.cdiv(num_routes, block_n))
+    # The scan over chunks: on CUDA as few serial steps as a 16K-lane tile allows (its time
+    # is the latency of each step's load, scan and store).
+    block_c, block_eg = (4, 8) if ids_N.device.type != "cuda" else \
+        (min(1024, max(128, triton.next_power_of_2(num_chunks))), 16)
+    scan_warps = 8 if block_c >= 512 else warps
     chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32,
                                device=ids_N.device)
     expert_counts = torch.empty(num_experts, dtype=torch.int32, device=ids_N.device)
@@ -315,7 +319,7 @@ def _count(ids_N, keep_N, has_keep: bool, num_experts: int):
         enable_fp_fusion=FUSED)
     _chunk_bases_kernel[(triton.cdiv(num_experts, block_eg),)](
         chunk_counts, expert_counts, num_chunks, num_experts,
-        BLOCK_C=block_c, BLOCK_EG=block_eg, num_warps=warps, enable_fp_fusion=FUSED)
+        BLOCK_C=block_c, BLOCK_EG=block_eg, num_warps=scan_warps, enable_fp_fusion=FUSED)
     return chunk_counts, expert_counts
 
 

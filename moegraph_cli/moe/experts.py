@@ -35,6 +35,7 @@ from moegraph_kernels.fc1_swiglu import fc1_swiglu
 from moegraph_kernels.gemm_config import (GemmConfig, dact_config, fc1_config, fc2_config,
                                           route_block_m, slot_gemm_config)
 from moegraph_kernels.route_align import RouteList, build_route_list
+from moegraph_kernels.route_grad import route_weight_grad
 from moegraph_kernels.slot_gemm import slot_gemm
 from moegraph_kernels.wgrad import expert_bias_grad, expert_wgrad, wgrad_config
 
@@ -240,18 +241,22 @@ class PermuteFreeMoE(torch.autograd.Function):
         del act
         dweights = None
         if need_w:
-            # dp of a slot: its partial sums over F-tiles, reduced in a fixed order.
-            dp_S = dp_part.sum(dim=1)
-            slots = routes.token_slots.reshape(-1).long()
-            dp_N = dp_S[slots.clamp(min=0)]
-            if b_down_EH is not None:
+            # dp of a route: its slot's partial sums over F-tiles, reduced in column order
+            # (one kernel; 0 for a dropped route).
+            if b_down_EH is None:
+                dweights = route_weight_grad(dp_part, routes.token_slots, torch.empty(
+                    routes.token_slots.shape, dtype=weights_N.dtype, device=dev))
+            else:
                 # FC2's p * b_down[e]: dp += dOut_t . b_down[e], all experts at once by a
-                # [T, E] GEMM (fp32), then each route's column. Dropped routes masked below.
+                # [T, E] GEMM (fp32), then each route's column; dropped routes masked.
+                dp_N = route_weight_grad(dp_part, routes.token_slots, torch.empty(
+                    routes.token_slots.shape, dtype=torch.float32, device=dev)).reshape(-1)
+                slots = routes.token_slots.reshape(-1)
                 dots_TE = dout_TH.float() @ b_down_EH.float().t()
                 ids = ids_TK.long().clamp(0, num_experts - 1)
                 dp_N = dp_N + dots_TE.gather(1, ids).reshape(-1)
-            dweights = torch.where(slots >= 0, dp_N, 0.0)
-            dweights = dweights.to(weights_N.dtype).view(ctx.weights_shape)
+                dweights = torch.where(slots >= 0, dp_N, 0.0).to(weights_N.dtype)
+            dweights = dweights.view(ctx.weights_shape)
         del dp_part
         db_down = None
         if need_b_down:
