@@ -110,18 +110,24 @@ def test_a_signal_during_plan_out_removes_the_file_and_the_directories_it_made(t
 
 # -- how signals become Interrupted -------------------------------------------------------------
 def test_signals_interrupt_raises_and_restores():
-    before = signal.getsignal(signal.SIGHUP)
-    with pytest.raises(Interrupted) as e:
-        with signals_interrupt():
-            assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL  # else it kills us
-            # raise_signal delivers to this (the main) thread, so the handler runs as it
-            # returns; os.kill may land on another of the process's threads (pytest-xdist's,
-            # torch's), and the main thread would only see it after the block had ended.
-            signal.raise_signal(signal.SIGHUP)
-            time.sleep(5)
-    assert e.value.signum == signal.SIGHUP and e.value.exit_code == 129
-    assert isinstance(e.value, KeyboardInterrupt)  # every Ctrl-C cleanup runs for it
-    assert signal.getsignal(signal.SIGHUP) is before
+    # The default action, whatever the runner's was: under nohup SIGHUP starts ignored, and an
+    # ignored signal stays ignored (the next test).
+    inherited = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with pytest.raises(Interrupted) as e:
+            with signals_interrupt():
+                assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL  # else it kills us
+                # raise_signal delivers to this (the main) thread, so the handler runs as it
+                # returns; os.kill may land on another of the process's threads
+                # (pytest-xdist's, torch's), and the main thread would only see it after the
+                # block had ended.
+                signal.raise_signal(signal.SIGHUP)
+                time.sleep(5)
+        assert e.value.signum == signal.SIGHUP and e.value.exit_code == 129
+        assert isinstance(e.value, KeyboardInterrupt)  # every Ctrl-C cleanup runs for it
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, inherited)
 
 
 def test_a_signal_the_process_ignores_stays_ignored():
