@@ -207,3 +207,23 @@ def test_count_routes_matches_bincount_and_skips_out_of_range(T, k, E):
     for i in {0, bad.numel() - 1}:
         want[ids.reshape(-1)[i]] -= 1
     assert torch.equal(count_routes(bad.view(T, k), E), want)
+
+
+@pytest.mark.parametrize("block_c,block_eg,warps", [(4, 8, 1), (128, 16, 4), (1024, 16, 8)])
+@pytest.mark.parametrize("num_chunks,E", [(1, 3), (37, 20), (300, 16)])
+def test_chunk_scan_tile_changes_no_value(block_c, block_eg, warps, num_chunks, E):
+    """The chunk scan (step 2) at the CPU's tile and at the tiles CUDA picks (one serial step
+    up to 1024 chunks): each chunk's first rank per expert and the totals, as torch scans."""
+    import triton
+
+    from moegraph_kernels.fp_fusion import FUSED
+    from moegraph_kernels.route_align import _chunk_bases_kernel
+    g = torch.Generator().manual_seed(num_chunks * 7 + E)
+    counts = torch.randint(0, 50, (num_chunks, E), generator=g, dtype=torch.int32)
+    scanned = counts.clone()
+    totals = torch.full((E,), -1, dtype=torch.int32)
+    _chunk_bases_kernel[(triton.cdiv(E, block_eg),)](
+        scanned, totals, num_chunks, E, BLOCK_C=block_c, BLOCK_EG=block_eg, num_warps=warps,
+        enable_fp_fusion=FUSED)
+    assert torch.equal(scanned, (counts.cumsum(0) - counts).to(torch.int32))
+    assert torch.equal(totals, counts.sum(0).to(torch.int32))
