@@ -35,8 +35,9 @@ def _route_weight_grad_kernel(dp_ptr, token_slots_ptr, out_ptr, num_routes, stri
 
 
 def route_weight_grad(dp_part_SC: torch.Tensor, token_slots_TK: torch.Tensor,
-                      out_TK: torch.Tensor) -> torch.Tensor:
-    """Fill out_TK [T, k] with each route's dp (see the module doc); returns out_TK."""
+                      out_TK: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """Fill out_TK [T, k] with each route's dp (see the module doc); returns out_TK. block:
+    routes a program (a power of two; by default 256 on CUDA, 32 in the interpreter)."""
     if dp_part_SC.dtype != torch.float32 or dp_part_SC.stride(-1) != 1:
         raise ValueError(f"route_weight_grad: dp_part must be fp32 with a contiguous last "
                          f"dimension, got {dp_part_SC.dtype} strides {list(dp_part_SC.stride())}")
@@ -45,7 +46,7 @@ def route_weight_grad(dp_part_SC: torch.Tensor, token_slots_TK: torch.Tensor,
         raise ValueError(f"route_weight_grad: out {list(out_TK.shape)} and token_slots "
                          f"{list(token_slots_TK.shape)} must be the same contiguous shape")
     num_routes = token_slots_TK.numel()
-    block = 256 if dp_part_SC.is_cuda else 32
+    block = block or (256 if dp_part_SC.is_cuda else 32)
     _route_weight_grad_kernel[(triton.cdiv(num_routes, block),)](
         dp_part_SC, token_slots_TK, out_TK, num_routes, dp_part_SC.stride(0),
         COLS=dp_part_SC.shape[1], BLOCK=block, num_warps=4 if dp_part_SC.is_cuda else 1,

@@ -38,6 +38,14 @@ def test_matches_reference_and_writes_every_element(T, k, C, drop, dtype=torch.f
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [16, 256])
+def test_block_changes_no_value(block):
+    """CUDA's default block (256) under the interpreter too: the same bits as the reference."""
+    dp, slots = _case(300, 8, 12, 0.2, seed=5)
+    out = route_weight_grad(dp, slots, torch.full((300, 8), math.nan), block=block)
+    assert torch.equal(out, route_weight_grad_ref(dp, slots, torch.float32))
+
+
 def test_rejects_a_wrong_layout():
     dp, slots = _case(4, 2, 3, 0.0, seed=1)
     with pytest.raises(ValueError, match="fp32"):
