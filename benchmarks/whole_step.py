@@ -147,7 +147,7 @@ def run_moegraph(name: str, args) -> dict:
         session.uninstall()
         trainer.session = None
         rec[label] = r
-        del session  # it holds the trainer (and so the model's flat buffers) and its pool
+        del session  # its step closures hold the trainer, and so the model and its flat buffers
         gc.collect()
     del model, trainer
     gc.collect()
