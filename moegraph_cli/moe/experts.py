@@ -242,20 +242,18 @@ class PermuteFreeMoE(torch.autograd.Function):
         dweights = None
         if need_w:
             # dp of a route: its slot's partial sums over F-tiles, reduced in column order
-            # (one kernel; 0 for a dropped route).
-            if b_down_EH is None:
-                dweights = route_weight_grad(dp_part, routes.token_slots, torch.empty(
-                    routes.token_slots.shape, dtype=weights_N.dtype, device=dev))
-            else:
+            # (one kernel; 0 for a dropped route), in fp32 where a bias term follows.
+            slots_TK = routes.token_slots
+            dweights = route_weight_grad(dp_part, slots_TK, torch.empty(
+                slots_TK.shape, device=dev,
+                dtype=weights_N.dtype if b_down_EH is None else torch.float32))
+            if b_down_EH is not None:
                 # FC2's p * b_down[e]: dp += dOut_t . b_down[e], all experts at once by a
                 # [T, E] GEMM (fp32), then each route's column; dropped routes masked.
-                dp_N = route_weight_grad(dp_part, routes.token_slots, torch.empty(
-                    routes.token_slots.shape, dtype=torch.float32, device=dev)).reshape(-1)
-                slots = routes.token_slots.reshape(-1)
                 dots_TE = dout_TH.float() @ b_down_EH.float().t()
                 ids = ids_TK.long().clamp(0, num_experts - 1)
-                dp_N = dp_N + dots_TE.gather(1, ids).reshape(-1)
-                dweights = torch.where(slots >= 0, dp_N, 0.0).to(weights_N.dtype)
+                dweights = torch.where(slots_TK >= 0, dweights + dots_TE.gather(1, ids), 0.0)
+                dweights = dweights.to(weights_N.dtype)
             dweights = dweights.view(ctx.weights_shape)
         del dp_part
         db_down = None
