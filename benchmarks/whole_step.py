@@ -236,10 +236,10 @@ def run_transformers(name: str, variant: str, args) -> dict:
 def run_profile(name: str, args) -> dict:
     rec: dict = {"profile": name}
     extra = [x for s in args.set for x in ("--set", s)]
-    # transformers first, each variant in its own process while this one holds no model: after
-    # the moegraph phases this process kept about 26 GB of the loaded 4-layer Qwen3-30B on the
-    # GPU, and transformers + torch.compile (about 53 GB) then ran out of memory on an 80 GB
-    # card in two runs of three.
+    # transformers first, each variant in its own process while this one holds no model: when
+    # the moegraph phases still kept their graph session (and through it the model, about
+    # 26 GB of the loaded 4-layer Qwen3-30B), transformers + torch.compile (about 53 GB) ran
+    # out of memory on an 80 GB card in two runs of three.
     hf_runs = {v: run_transformers(name, v, args)
                for v in filter(None, args.transformers.split(","))}
     try:
