@@ -4,9 +4,10 @@ Layout contract (S slots, BM-blocks of one expert each, see route_align.py; T to
 F ffn width, E experts; all tensors row-major with a contiguous last dimension):
 - `dact_swiglu`: dA[s] = dOut[slot_token[s]] @ w_down[e(s)] (w_down [E, H, F]) with the
   activation backward in the epilogue: writes dY1 [S, 2F], the recomputed A [S, F] (for the
-  dW_down wgrad) and dp_part [S, cdiv(F, BN)] fp32 (`dp_tiles` columns), the per-column-tile
-  partial sums of d(route probability); the caller reduces its rows in a fixed order (no
-  atomics). CLAMPED picks the clamped SwiGLU backward.
+  dW_down wgrad; STORE_ACT, not where the caller kept FC1's) and dp_part [S, cdiv(F, BN)]
+  fp32 (`dp_tiles` columns), the per-column-tile partial sums of d(route probability); the
+  caller reduces its rows in a fixed order (no atomics). CLAMPED picks the clamped SwiGLU
+  backward.
 - `paired` (GemmConfig; where 2 BN divides F): one program computes a [BM, 2 BN] dA tile in
   one dot a K step (the gathered dOut tile feeds twice the columns), rounds it to the input
   dtype and runs the epilogue one [BM, BN / 2] quarter at a time, so its registers stay below
@@ -30,7 +31,7 @@ from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, dact_config
 from .route_align import RouteList
 from .slot_schedule import (live_block_list, persistent_tile, program_tile,
-                            store_zero_gated_rows)
+                            store_zero_gated_rows, store_zero_rows)
 
 
 @triton.jit
@@ -39,6 +40,7 @@ def _dact_epilogue(
     act_ptr, dp_ptr, alpha, limit, ffn, stride_y1, stride_dy1, stride_act, stride_dp,
     CLAMPED: tl.constexpr, ROUTE_MASK: tl.constexpr, slot_route_ptr=None, num_routes=0,
     LOAD_ROUTE: tl.constexpr = False, FAST_ACT: tl.constexpr = False,
+    STORE_ACT: tl.constexpr = True,
 ):
     """The SwiGLU backward of one [BM, BN] dA tile at columns offs_n: dY1, A and dp_part's
     column pid_dp. LOAD_ROUTE: the rows' routes are loaded here (the BN tile's one epilogue,
@@ -59,13 +61,14 @@ def _dact_epilogue(
     u = tl.load(y1_ptrs + ffn, mask=tile_mask, other=0.0).to(tl.float32)
     p = tl.load(weights_ptr + route, mask=route_ok, other=0.0).to(tl.float32)
     dg, du, dp_part = gated_backward(da, g, u, p[:, None], alpha, limit, CLAMPED, FAST_ACT)
-    act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED, FAST_ACT)
     out_mask = n_ok[None, :]
     dy1_ptrs = dy1_ptr + rows * stride_dy1 + offs_n[None, :]
     tl.store(dy1_ptrs, dg.to(dy1_ptr.dtype.element_ty), mask=out_mask)
     tl.store(dy1_ptrs + ffn, du.to(dy1_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(act_ptr + rows * stride_act + offs_n[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=out_mask)
+    if STORE_ACT:
+        act = gated_forward(g, u, p[:, None], alpha, limit, CLAMPED, FAST_ACT)
+        tl.store(act_ptr + rows * stride_act + offs_n[None, :],
+                 act.to(act_ptr.dtype.element_ty), mask=out_mask)
     tl.store(dp_ptr + offs_m.to(tl.int64) * stride_dp + pid_dp, dp_part)
 
 
@@ -79,6 +82,7 @@ def _dact_swiglu_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, CLAMPED: tl.constexpr,
     ROUTE_MASK: tl.constexpr, PAIRED: tl.constexpr, FAST_ACT: tl.constexpr,
+    STORE_ACT: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,32 +118,39 @@ def _dact_swiglu_tile(
         _dact_epilogue(q0, offs_m, offs_q, 4 * pid_n, row_ok, route, route_ok, y1_ptr,
                        weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
                        stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
-                       FAST_ACT=FAST_ACT)
+                       FAST_ACT=FAST_ACT, STORE_ACT=STORE_ACT)
         _dact_epilogue(q1, offs_m, offs_q + Q, 4 * pid_n + 1, row_ok, route, route_ok,
                        y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
                        stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
-                       FAST_ACT=FAST_ACT)
+                       FAST_ACT=FAST_ACT, STORE_ACT=STORE_ACT)
         _dact_epilogue(q2, offs_m, offs_q + 2 * Q, 4 * pid_n + 2, row_ok, route, route_ok,
                        y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
                        stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
-                       FAST_ACT=FAST_ACT)
+                       FAST_ACT=FAST_ACT, STORE_ACT=STORE_ACT)
         _dact_epilogue(q3, offs_m, offs_q + 3 * Q, 4 * pid_n + 3, row_ok, route, route_ok,
                        y1_ptr, weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn,
                        stride_y1, stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
-                       FAST_ACT=FAST_ACT)
+                       FAST_ACT=FAST_ACT, STORE_ACT=STORE_ACT)
     else:
         _dact_epilogue(acc, offs_m, offs_n, pid_n, row_ok, row_ok, row_ok, y1_ptr,
                        weights_ptr, dy1_ptr, act_ptr, dp_ptr, alpha, limit, ffn, stride_y1,
                        stride_dy1, stride_act, stride_dp, CLAMPED, ROUTE_MASK,
-                       slot_route_ptr, num_routes, True, FAST_ACT)
+                       slot_route_ptr, num_routes, True, FAST_ACT, STORE_ACT)
 
 
 @triton.jit
 def _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, row0, stride_dy1, stride_act, stride_dp, pid_n,
-                    ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The all-padding second half of a tail block: dY1, A and dp_part's column pid_n."""
-    store_zero_gated_rows(dy1_ptr, act_ptr, row0, stride_dy1, stride_act, pid_n, ffn, BLOCK_M,
-                          BLOCK_N)
+                    ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_ACT: tl.constexpr):
+    """The all-padding second half of a tail block: dY1, A (STORE_ACT) and dp_part's column
+    pid_n."""
+    if STORE_ACT:
+        store_zero_gated_rows(dy1_ptr, act_ptr, row0, stride_dy1, stride_act, pid_n, ffn,
+                              BLOCK_M, BLOCK_N)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < ffn
+        store_zero_rows(dy1_ptr, row0, stride_dy1, offs_n, n_ok, BLOCK_M, BLOCK_N)
+        store_zero_rows(dy1_ptr, row0, stride_dy1, offs_n + ffn, n_ok, BLOCK_M, BLOCK_N)
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     tl.store(dp_ptr + rows * stride_dp + pid_n, tl.zeros((BLOCK_M,), dtype=tl.float32))
 
@@ -154,7 +165,7 @@ def _dact_swiglu_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
-    PAIRED: tl.constexpr, FAST_ACT: tl.constexpr,
+    PAIRED: tl.constexpr, FAST_ACT: tl.constexpr, STORE_ACT: tl.constexpr,
 ):
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
@@ -174,10 +185,10 @@ def _dact_swiglu_kernel(
                 num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
                 stride_y1, stride_dy1, stride_act, stride_dp,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, True, PAIRED,
-                FAST_ACT)
+                FAST_ACT, STORE_ACT)
             if TAIL == 2:
                 _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
-                                stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
+                                stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N, STORE_ACT)
     else:
         pid_m, pid_n, expert, ok = program_tile(
             tl.program_id(0), num_blocks, num_pid_n, block_expert_ptr, slot_route_ptr,
@@ -191,10 +202,10 @@ def _dact_swiglu_kernel(
             num_tokens, num_routes, ffn, hidden, stride_dt, stride_we, stride_wk,
             stride_y1, stride_dy1, stride_act, stride_dp,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, USE_TMA, CLAMPED, False, PAIRED,
-            FAST_ACT)
+            FAST_ACT, STORE_ACT)
         if TAIL == 2:
             _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, (pid_m + 1) * BLOCK_M, stride_dy1,
-                            stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N)
+                            stride_act, stride_dp, pid_n, ffn, BLOCK_M, BLOCK_N, STORE_ACT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +221,7 @@ def dp_tiles(ffn: int, cfg: GemmConfig) -> int:
 def dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes: RouteList,
                 dy1_out, act_out, dp_part_out, cfg: GemmConfig | None = None, *, clamp=None):
     """Fill dy1_out [S, 2F], act_out [S, F] and dp_part_out [S, dp_tiles] fp32 (live blocks).
+    act_out None: the activation is not recomputed (the caller kept FC1's, the same bits).
     `clamp` = (alpha, limit) picks the clamped SwiGLU backward. dp_part holds only the
     activation's share of d(route probability): FC2's bias term is the caller's."""
     num_tokens, hidden = dout_TH.shape
@@ -250,19 +262,23 @@ def _dact_swiglu(dout_TH, w_down_EHF, y1_S2F, topk_weights_N, routes, dy1_out, a
     grid, live_list, meta, plan = gl.build_plan(routes, tile, ffn, dout_TH.device,
                                                 w_desc is not None)
 
+    store_act = act_out is not None
+    act_arg = act_out if store_act else dy1_out  # never written without STORE_ACT
+
     def launch(grid, cfg, live_list, meta, tail):
         _dact_swiglu_kernel[grid](
             dout_TH, w_down_EHF, w_down_EHF if w_desc is None else w_desc, y1_S2F,
             topk_weights_N, routes.slot_token, routes.slot_route, routes.block_expert,
             live_list, routes.expert_counts, routes.expert_starts, w_down_EHF.shape[0], dy1_out,
-            act_out, dp_part_out, *gl.act_scalars(clamp),
+            act_arg, dp_part_out, *gl.act_scalars(clamp),
             num_tokens, topk_weights_N.numel(), routes.num_slots, ffn, hidden,
             dout_TH.stride(0), w_down_EHF.stride(0), w_down_EHF.stride(1), y1_S2F.stride(0),
-            dy1_out.stride(0), act_out.stride(0), dp_part_out.stride(0),
+            dy1_out.stride(0), act_arg.stride(0), dp_part_out.stride(0),
             ROUTE_BLOCK=routes.block_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
             EVEN_N=ffn % cfg.block_n == 0, CLAMPED=clamp is not None, TAIL=tail,
-            PAIRED=paired, FAST_ACT=cfg.fast_act and dout_TH.is_cuda, **cfg.launch_options(),
+            PAIRED=paired, FAST_ACT=cfg.fast_act and dout_TH.is_cuda, STORE_ACT=store_act,
+            **cfg.launch_options(),
             **meta)
 
     gl.LAST_PLAN["dact"] = gl.launch_split(launch, routes, tile, grid, live_list, meta, plan,

@@ -193,14 +193,18 @@ class PermuteFreeMoE(torch.autograd.Function):
                    bias_EF2=b_gate_up_EF2, clamp=ctx.clamp)
         y2 = slot_gemm(a_S, w_down_EHF, routes, _scratch((S, hidden), x_TH.dtype, dev),
                        w_nk=True, cfg=cfg.fc2, bias_EN=b_down_EH, topk_weights_N=weights_N)
+        # A for dW_down: kept (gemm_config.KEEP_ACT), else dA recomputes it from Y1 (the same
+        # bits: FC1 computes it from the rounded Y1 too); with recompute_fc1 FC1's rerun has it.
+        kept_act = a_S if gemm_config.KEEP_ACT and not recompute_fc1 else None
         del a_S
         out = gather_combine(y2, routes.token_slots, _scratch((num_tokens, hidden), x_TH.dtype,
                                                               dev), residual_TH)
         # Only dweights reads the ids and b_down (the bias term of dp); saved only with a bias.
         ids_TK = topk_ids_TK if b_down_EH is not None else None
         ctx.save_for_backward(x_TH, weights_N, w_gate_up_EFH, w_down_EHF,
-                              None if recompute_fc1 else y1, ids_TK, b_down_EH, *routes[:-1])
-        del y1
+                              None if recompute_fc1 else y1, kept_act, ids_TK, b_down_EH,
+                              *routes[:-1])
+        del y1, kept_act
         ctx.block_m = routes.block_m
         ctx.configs = cfg
         ctx.weights_shape = topk_weights_TK.shape
@@ -209,7 +213,7 @@ class PermuteFreeMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_TH, _grad_dropped):
-        (x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, ids_TK, b_down_EH,
+        (x_TH, weights_N, w_gate_up_EFH, w_down_EHF, y1, act, ids_TK, b_down_EH,
          *route_tensors) = ctx.saved_tensors
         routes = RouteList(*route_tensors, block_m=ctx.block_m)
         cfg = ctx.configs
@@ -221,19 +225,23 @@ class PermuteFreeMoE(torch.autograd.Function):
         need_x, _, need_w, need_gu, need_down = ctx.needs_input_grad[:5]
         need_b_gu, need_b_down = ctx.needs_input_grad[7:9]
         dout_TH = dout_TH.contiguous()
-        if y1 is None:  # recompute_fc1: FC1 again, its activation output thrown away
+        if y1 is None:  # recompute_fc1: FC1 again; its activation kept under KEEP_ACT
             y1 = _scratch((S, two_f), x_TH.dtype, dev)
             b_gate_up = ctx.biases[0]
-            fc1_swiglu(x_TH, w_gate_up_EFH, weights_N, routes, y1,
-                       _scratch((S, ffn), x_TH.dtype, dev), cfg.fc1,
+            act_S = _scratch((S, ffn), x_TH.dtype, dev)
+            fc1_swiglu(x_TH, w_gate_up_EFH, weights_N, routes, y1, act_S, cfg.fc1,
                        bias_EF2=None if b_gate_up is None else b_gate_up.contiguous(),
                        clamp=ctx.clamp)
+            act = act_S if gemm_config.KEEP_ACT else None
+            del act_S
 
         dy1 = _scratch((S, two_f), x_TH.dtype, dev)
-        act = _scratch((S, ffn), x_TH.dtype, dev)
+        recompute_act = act is None
+        if recompute_act:
+            act = _scratch((S, ffn), x_TH.dtype, dev)
         dp_part = _scratch((S, dp_tiles(ffn, cfg.dact)), torch.float32, dev)
-        dact_swiglu(dout_TH, w_down_EHF, y1, weights_N, routes, dy1, act, dp_part, cfg.dact,
-                    clamp=ctx.clamp)
+        dact_swiglu(dout_TH, w_down_EHF, y1, weights_N, routes, dy1,
+                    act if recompute_act else None, dp_part, cfg.dact, clamp=ctx.clamp)
 
         dw_down = None
         if need_down:

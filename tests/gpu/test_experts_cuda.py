@@ -125,6 +125,23 @@ def test_two_runs_are_bitwise_identical():
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("kind,T", [("zipf", 512), ("uniform", 4096)])
+def test_kept_activation_gives_the_bits_of_the_recomputed_one(kind, T, monkeypatch):
+    """gemm_config.KEEP_ACT at the Qwen3 shape (64- and 128-row blocks, dA's paired tile at
+    the latter): no bit of the output or a gradient changes, NaN-poisoned scratch."""
+    from moegraph_kernels import gemm_config
+
+    args = _inputs(kind, T, 8, 128, 2048, 768, seed=5)
+    outs = []
+    for keep in (True, False):
+        monkeypatch.setattr(gemm_config, "KEEP_ACT", keep)
+        with poisoned_scratch():
+            outs.append(_run(permute_free_moe, *args, None, torch.bfloat16))
+    for name, a, b in zip(NAMES, *outs):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), name
+
+
 def test_slot_offsets_past_2_pow_31_elements():
     # S * 2F > 2^31: Y1 row offsets overflow int32 unless formed in int64. Per-token outputs
     # and dx depend only on that token's routes, so the last tokens are checked alone.
