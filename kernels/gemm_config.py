@@ -90,7 +90,8 @@ DACT_PAIRED = flag_from_env("MOEGRAPH_DACT_PAIRED", True)
 
 # MOEGRAPH_KEEP_ACT=1: the expert forward keeps FC1's activation A [S, F] for the backward
 # (dW_down's operand), so dA neither recomputes nor stores it; b S F more bytes saved a MoE
-# layer (half of Y1 again). Off: an experiment, not counted by the planner's memory model.
+# layer (half of Y1 again; the planner's memory model reads the same switch,
+# plan/scope_memory.kept_act_bytes). Off until measured.
 KEEP_ACT = flag_from_env("MOEGRAPH_KEEP_ACT", False)
 
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm

@@ -48,8 +48,8 @@ from ..models.common.shapes import param_shapes
 from ..config import Profile
 from ..report.summary import DTYPE_BYTES, layer_shapes
 from .scope_memory import (ScopeMemory, dp_part_bytes, expert_slots, first_moe_layer,
-                           fused_norms, loss_moments, param_bytes, rms_saved, route_block,
-                           shared_expert_memory)
+                           fused_norms, kept_act_bytes, loss_moments, param_bytes, rms_saved,
+                           route_block, shared_expert_memory)
 
 EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down", "moe.b_gate_up", "moe.b_down")
 
@@ -456,14 +456,16 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
             block = route_block(NR, E_l, device_type)
             S = expert_slots(NR, 1, E_l, block, P * capacity)
         saved += b * R * H + b * NR  # x_RH, w_RK
-        saved += b * S * 2 * F  # Y1
-        fc1_saved, fc1_transient = b * S * 2 * F, b * S * F
+        kept = kept_act_bytes(S, F, b)
+        saved += b * S * 2 * F + kept  # Y1 (and A, if kept)
+        fc1_saved, fc1_transient = b * S * 2 * F + kept, b * S * F - kept
         saved += 8 * (S + 1) + 4 * (S // block) + 4 * NR + 8 * E_l + 8  # the RouteList
-        # experts: act + Y2 + the partial [R, H]; then the combine
-        fwd = max((4 + b) * T * H, b * S * F + b * S * H + b * R * H, combine) + b * T * H + ids
+        # experts: act (unless kept: then in `saved`) + Y2 + the partial [R, H]; the combine
+        fwd = (max((4 + b) * T * H, b * S * F - kept + b * S * H + b * R * H, combine)
+               + b * T * H + ids)
         dp_part = dp_part_bytes(S, F, block, device_type)
         experts_bwd = (b * R * H + b * S * 2 * F  # gathered dOut, dY1
-                       + max(b * S * F + dp_part, b * S * H + b * R * H)  # act | dx_S, dx_R
+                       + max(b * S * F - kept + dp_part, b * S * H + b * R * H)  # act | dx
                        + 4 * S + (4 + b) * NR)  # the weights' grads
         bwd = b * T * H + params + max(experts_bwd, combine + 2 * b * NR) + 4 * T * E
     shared = shared_expert_memory(prof)

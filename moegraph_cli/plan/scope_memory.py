@@ -102,6 +102,12 @@ def dp_part_bytes(slots: int, ffn: int, block: int, device_type: str) -> int:
     return 4 * slots * (ffn // 64 if paired else max(1, ffn // 128))
 
 
+def kept_act_bytes(slots: int, ffn: int, b: int) -> int:
+    """FC1's activation [S, F], saved beside Y1 where MOEGRAPH_KEEP_ACT is on
+    (kernels/gemm_config.KEEP_ACT: dA then neither recomputes nor allocates it); else 0."""
+    return b * slots * ffn if flag_from_env("MOEGRAPH_KEEP_ACT", False) else 0
+
+
 def expert_slots(num_tokens: int, top_k: int, num_experts: int, block: int,
                  capacity: int | None) -> int:
     """S of kernels/route_align.num_slots: padded slot count for a dispatch mode."""
@@ -258,17 +264,20 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         S = expert_slots(T, k, E, route_block(N, E, device_type), capacity)
         block = route_block(N, E, device_type)
         saved += b * N  # the top-k weights the experts read (model dtype)
-        saved += b * S * 2 * F  # Y1, the only F-scale tensor kept
-        fc1_saved, fc1_transient = b * S * 2 * F, b * S * F
+        kept = kept_act_bytes(S, F, b)
+        saved += b * S * 2 * F + kept  # Y1, the only F-scale tensor kept (and A, if kept)
+        fc1_saved, fc1_transient = b * S * 2 * F + kept, b * S * F - kept
         saved += 8 * (S + 1) + 4 * (S // block) + 4 * N + 8 * E + 8  # the RouteList
         tok, act, y2 = b * T * H, b * S * F, b * S * H
-        # FC2 writes Y2 beside the activation; the activation is freed before the combine's
-        # output [T, H] is allocated, which takes its block where it fits.
-        routed = max((2 * b if fused else 4 + b) * T * H, y2 + max(act, tok))
+        # FC2 writes Y2 beside the activation; the activation (unless kept: then it is in
+        # `saved`) is freed before the combine's output [T, H] is allocated, which takes its
+        # block where it fits.
+        routed = max((2 * b if fused else 4 + b) * T * H, y2 + max(act - kept, tok))
         dp_part = dp_part_bytes(S, F, block, device_type)
-        # dY1 throughout; beside it first the activation (FC2's dW) and dp's partials, then
-        # the slots' dX with its combine and the router's and the residual's [T, H] grads.
-        bwd = params + b * S * 2 * F + max(act + dp_part, y2 + 3 * tok) + 4 * T * E
+        # dY1 throughout; beside it first the activation (FC2's dW; none if kept) and dp's
+        # partials, then the slots' dX with its combine and the router's and the residual's
+        # [T, H] grads.
+        bwd = params + b * S * 2 * F + max(act - kept + dp_part, y2 + 3 * tok) + 4 * T * E
         shared_saved, _, shared_bwd = shared_expert_memory(prof)
         # The shared expert runs after the routed ones: its tensors are allocated when the
         # routed transients are gone; at its sum three [T, H] are live beside everything saved

@@ -207,10 +207,15 @@ def test_saved_formula_of_each_family(profile, dtype):
         assert input_saved == model.kinds[ref.kind].saves_input, ref.name
 
 
+@pytest.mark.parametrize("keep_act", ["0", "1"])
 @pytest.mark.parametrize("mode", ["dropless", "capacity"])
-def test_permute_free_saved_formula(mode):
-    """The Triton path under the interpreter (fp32, small): Y1 [S, 2F], the weights and the
-    RouteList are what it keeps; the formula must match exactly."""
+def test_permute_free_saved_formula(mode, keep_act, monkeypatch):
+    """The Triton path under the interpreter (fp32, small): Y1 [S, 2F] (and A [S, F] under
+    MOEGRAPH_KEEP_ACT), the weights and the RouteList are what it keeps; the formula must
+    match exactly."""
+    import moegraph_kernels.gemm_config as gc
+    monkeypatch.setenv("MOEGRAPH_KEEP_ACT", keep_act)
+    monkeypatch.setattr(gc, "KEEP_ACT", keep_act == "1")
     prof = load_profile("tiny-qwen3-moe", [
         "run.dtype=float32", "run.seq_len=32", "run.batch=1", "moe.backend=permute_free",
         "model.hidden_size=64", "model.moe_intermediate_size=32", "model.num_hidden_layers=1",
@@ -222,7 +227,9 @@ def test_permute_free_saved_formula(mode):
         norm = 4 * 32 + 4 * 32 * 64 + 4 * 32 * 64  # rsqrt, normed, y (fp32 x is the input)
         router = 4 * 32 * 8 + 8 * 64 + 4 * 64 + 4 * 32  # probs, top-k ids, values, their sum
         route_list = 8 * (S + 1) + 4 * (S // 16) + 4 * 64 + 8 * 8 + 8
-        assert got == norm + router + 4 * 64 + S * 2 * 32 * 4 + route_list == 69_760
+        kept = S * 32 * 4 if keep_act == "1" else 0
+        assert got == norm + router + 4 * 64 + S * 2 * 32 * 4 + route_list + kept \
+            == 69_760 + kept
 
 
 def test_attn_saved_scales_with_tokens():

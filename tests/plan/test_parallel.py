@@ -234,6 +234,20 @@ def test_shards_and_ep_saved_bytes_match_real_ranks():
     run_gloo(_rank_checks, 2)
 
 
+def _kept_act_saved(rank, world):
+    import moegraph_kernels.gemm_config as gc
+
+    gc.KEEP_ACT = True  # a forkserver child may have imported it before the env was set
+    _ep_scope_saved(rank, world, "tiny-qwen3-moe", [])
+
+
+def test_ep_saved_bytes_with_the_activation_kept(monkeypatch):
+    """MOEGRAPH_KEEP_ACT (the experts' switch; the planner reads the env): the EP formula
+    counts A [S, F] too."""
+    monkeypatch.setenv("MOEGRAPH_KEEP_ACT", "1")
+    run_gloo(_kept_act_saved, 2)
+
+
 # -- the EP moe scope, FSDP2 working set and moving buffers ----------------------------
 def test_ep_moe_scope_qwen3_by_hand():
     """P = 2, T = 1024: R = 2048 received rows, E_l = 64; dropless slots for R*min(k, E_l) =
