@@ -264,3 +264,19 @@ def test_bias_shapes_are_checked():
         permute_free_moe(x, ids, w, w_gate_up, w_down, b_gate_up=b_gate_up[:, :8])
     with pytest.raises(TypeError, match="act must be an ExpertAct"):
         permute_free_moe(x, ids, w, w_gate_up, w_down, act="clamped_swiglu")
+
+
+def test_kept_activation_gives_the_bits_of_the_recomputed_one(monkeypatch):
+    """gemm_config.KEEP_ACT with biases and the clamped SwiGLU: FC1's kept activation (its
+    bias inside Y1) is the one dA would recompute, so no output or gradient bit changes."""
+    from moegraph_kernels import gemm_config
+
+    args = _inputs("zipf", 40, 3, 6, 24, 20, seed=21)
+    outs = []
+    for keep in (True, False):
+        monkeypatch.setattr(gemm_config, "KEEP_ACT", keep)
+        with poisoned_scratch():
+            outs.append(_run(permute_free_moe, *args))
+    for name, a, b in zip(NAMES, *outs):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), name
