@@ -31,7 +31,7 @@ from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, dact_config
 from .route_align import RouteList
 from .slot_schedule import (live_block_list, persistent_tile, program_tile,
-                            store_zero_gated_rows, store_zero_rows)
+                            store_zero_gated_rows)
 
 
 @triton.jit
@@ -143,14 +143,8 @@ def _zero_dact_rows(dy1_ptr, act_ptr, dp_ptr, row0, stride_dy1, stride_act, stri
                     ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_ACT: tl.constexpr):
     """The all-padding second half of a tail block: dY1, A (STORE_ACT) and dp_part's column
     pid_n."""
-    if STORE_ACT:
-        store_zero_gated_rows(dy1_ptr, act_ptr, row0, stride_dy1, stride_act, pid_n, ffn,
-                              BLOCK_M, BLOCK_N)
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < ffn
-        store_zero_rows(dy1_ptr, row0, stride_dy1, offs_n, n_ok, BLOCK_M, BLOCK_N)
-        store_zero_rows(dy1_ptr, row0, stride_dy1, offs_n + ffn, n_ok, BLOCK_M, BLOCK_N)
+    store_zero_gated_rows(dy1_ptr, act_ptr, row0, stride_dy1, stride_act, pid_n, ffn, BLOCK_M,
+                          BLOCK_N, STORE_ACT)
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     tl.store(dp_ptr + rows * stride_dp + pid_n, tl.zeros((BLOCK_M,), dtype=tl.float32))
 

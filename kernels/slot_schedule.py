@@ -97,14 +97,16 @@ def store_zero_rows(ptr, row0, stride, offs_n, n_ok, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def store_zero_gated_rows(y_ptr, act_ptr, row0, stride_y, stride_act, pid_n, ffn,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          STORE_ACT: tl.constexpr = True):
     """store_zero_rows for a gated kernel's column tile pid_n: Y [rows, 2F] at gate columns n
-    and up columns F + n, and the activation [rows, F] at n."""
+    and up columns F + n, and (STORE_ACT) the activation [rows, F] at n."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < ffn
     store_zero_rows(y_ptr, row0, stride_y, offs_n, n_ok, BLOCK_M, BLOCK_N)
     store_zero_rows(y_ptr, row0, stride_y, offs_n + ffn, n_ok, BLOCK_M, BLOCK_N)
-    store_zero_rows(act_ptr, row0, stride_act, offs_n, n_ok, BLOCK_M, BLOCK_N)
+    if STORE_ACT:
+        store_zero_rows(act_ptr, row0, stride_act, offs_n, n_ok, BLOCK_M, BLOCK_N)
 
 
 @triton.jit

@@ -345,10 +345,13 @@ def test_split_tail_needs_the_tile_to_be_the_route_block():
     assert gc.tail_config(gc.GemmConfig(128, 128, 64, 4, 8, 4, split_tail=True)).num_warps == 4
 
 
+@pytest.mark.parametrize("keep_act", [False, True])
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 @pytest.mark.parametrize("pair", ["", "+pair"])
-def test_split_tail_end_to_end_matches_reference(capacity_factor, pair):
-    """The split tail, also under the paired FC1 (its tail launch reuses the pair box)."""
+def test_split_tail_end_to_end_matches_reference(capacity_factor, pair, keep_act, monkeypatch):
+    """The split tail, also under the paired FC1 (its tail launch reuses the pair box), and
+    with FC1's activation kept (dA's tail then writes no A)."""
+    monkeypatch.setattr(gc, "KEEP_ACT", keep_act)
     case = ("zipf", 96, 4, 7, 32, 32)
     tail = _cfg(32).with_variant("tma+persistent+tail" + pair)
     _end_to_end_matches_reference(case, capacity_factor, lambda base: base._replace(
