@@ -3,7 +3,7 @@ CUDA-graphed, in TFLOP/s.
 
     python3 benchmarks/experts.py [--shapes qwen3,mixtral,deepseek-v3-64e]
         [--tokens 1024,8192,32768] [--routing uniform,skewed] [--skew 0.25]
-        [--impls permute_free,grouped_mm_baseline] [--no-graph] [--sequential] [--check]
+        [--impls permute_free,grouped_mm_baseline,permute_free_keep] [--no-graph] [--sequential] [--check]
         [--kernels] [--out PATH]
 
 What is compared: moegraph's permute-free experts (`moegraph_cli.moe.experts.permute_free_moe`:
@@ -115,12 +115,18 @@ def grouped_mm_moe(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF
     return y_routes.view(num_tokens, top_k, hidden).float().sum(dim=1).to(x_TH.dtype)
 
 
-IMPLS = ("permute_free", "grouped_mm_baseline")
+IMPLS = ("permute_free", "grouped_mm_baseline")  # the default --impls
+# permute_free_keep: the permute-free experts keeping FC1's activation for the backward (the MoE
+# scope's `keep` mode, which a plan picks where memory allows; moe/experts.PermuteFreeMoE).
+KNOWN_IMPLS = (*IMPLS, "permute_free_keep")
 
 
 def impls() -> dict:
+    import functools
+
     from moegraph_cli.moe.experts import permute_free_moe
-    return {"permute_free": permute_free_moe, "grouped_mm_baseline": grouped_mm_moe}
+    return {"permute_free": permute_free_moe, "grouped_mm_baseline": grouped_mm_moe,
+            "permute_free_keep": functools.partial(permute_free_moe, keep_act=True)}
 
 
 def fwd_flops(shape, T) -> int:
@@ -214,7 +220,7 @@ def run_case(shape, T, routing, impl, args_ns) -> dict:
             if both:
                 rec[mode + "fwd_bwd_tflops"] = 3 * flops / both / 1e9
         rec["bwd_ms"] = rec["fwd_bwd_ms"] - rec["fwd_ms"]
-        if impl == "permute_free":
+        if impl.startswith("permute_free"):
             from moegraph_kernels import gemm_launch
             rec["kernel_plans"] = {name: plan._asdict() for name, plan in
                                    gemm_launch.LAST_PLAN.items()}
@@ -298,7 +304,8 @@ def main() -> None:
     ap.add_argument("--routing", default="uniform", help="comma list of uniform, skewed")
     ap.add_argument("--skew", type=float, default=0.25,
                     help="std of the per-expert logit bias with --routing skewed")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="comma list of %(default)s")
+    ap.add_argument("--impls", default=",".join(IMPLS),
+                    help=f"comma list of {', '.join(KNOWN_IMPLS)} (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds (median)")
     ap.add_argument("--no-graph", action="store_true", help="eager timings only")
     ap.add_argument("--sequential", action="store_true",
@@ -308,7 +315,7 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="per-kernel GPU ms of a fwd+bwd")
     ap.add_argument("--out", default=str(default_out("experts.json")))
     args = ap.parse_args()
-    for given, known in ((args.shapes, SHAPES), (args.impls, IMPLS),
+    for given, known in ((args.shapes, SHAPES), (args.impls, KNOWN_IMPLS),
                          (args.routing, ("uniform", "skewed"))):
         unknown = [n for n in given.split(",") if n not in known]
         if unknown:

@@ -88,12 +88,6 @@ FC1_PAIRED = flag_from_env("MOEGRAPH_FC1_PAIRED", True)
 # stages: the product's choice in moe/experts.tile_configs unless MOEGRAPH_DACT_PAIRED=0.
 DACT_PAIRED = flag_from_env("MOEGRAPH_DACT_PAIRED", True)
 
-# MOEGRAPH_KEEP_ACT=1: the expert forward keeps FC1's activation A [S, F] for the backward
-# (dW_down's operand), so dA neither recomputes nor stores it; b S F more bytes saved a MoE
-# layer (half of Y1 again; the planner's memory model reads the same switch,
-# plan/scope_memory.kept_act_bytes). Off until measured.
-KEEP_ACT = flag_from_env("MOEGRAPH_KEEP_ACT", False)
-
 # Off: on the H200 with Triton 3.6 (2026-11-30) the warp-specialized persistent TMA slot_gemm
 # compiled but its first launch failed with "operation not supported on global/shared address
 # space" and lost the CUDA context (not recoverable, so no fallback can catch it). A config

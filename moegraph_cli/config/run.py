@@ -12,8 +12,11 @@ from ..io.documents import show
 from .fields import BOUNDS, MAX_INT, check_int_sizes, invalid, is_int
 
 
-# What recompute may do to one scope, per scope kind (models/common/recompute.py).
-SCOPE_MODES = {"attn": ("none", "full"), "moe": ("none", "full", "fc1"), "mlp": ("none", "full")}
+# What recompute may do to one scope, per scope kind (models/common/recompute.py); the MoE
+# scope's `keep` is less than none: its experts keep FC1's activation as well (a plan's choice
+# where memory allows).
+SCOPE_MODES = {"attn": ("none", "full"), "moe": ("none", "full", "fc1", "keep"),
+               "mlp": ("none", "full")}
 # run.recompute -> each layer's {scope kind: mode} (auto and none: nothing forced).
 RECOMPUTE = {
     "auto": {}, "none": {},
@@ -22,6 +25,7 @@ RECOMPUTE = {
     "full": {"attn": "full", "moe": "full", "mlp": "full"},
     "fc1": {"moe": "fc1"},
     "attn+fc1": {"attn": "full", "moe": "fc1"},
+    "keep": {"moe": "keep"},
 }
 
 
@@ -42,8 +46,10 @@ class RunConfig:
     device: str = "auto"
     # Activation recompute (models/common/recompute.py), on every layer: attn, moe or full
     # (both) re-run the scope's forward in its backward; fc1 re-runs only the MoE experts' FC1
-    # (their largest saved tensor), attn+fc1 both of those. auto: none unless a plan chooses
-    # it per layer (`moegraph plan` does where the budget needs it); none: never.
+    # (their largest saved tensor), attn+fc1 both of those; keep recomputes less than none: the
+    # experts keep FC1's activation too. auto: none unless a plan chooses per layer
+    # (`moegraph plan` keeps the activation where the budget leaves room and recomputes
+    # where the budget needs it); none: never.
     recompute: str = "auto"
     # The lm head and loss in chunks of this many rows (models/common/loss_chunked.py): no
     # [tokens, vocab] logits are kept, one chunk's at a time; 0: the logits whole. auto: whole

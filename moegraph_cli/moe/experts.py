@@ -8,10 +8,14 @@ size follows from T, k, E, H, F and the slot block size), so the whole thing can
 in a CUDA graph and replayed with new routing.
 
 Saved for backward: x, the top-k weights, both weights, Y1 [S, 2F] (the only F-scale tensor)
-and the RouteList (with biases: the biases and the top-k ids too). A is recomputed from Y1 by
-the dA kernel's epilogue. With `recompute_fc1` (the MoE scope's selective recompute) Y1 is not
-saved: the backward re-runs FC1 from x, the weights and the routes first (the same kernel on the
-same inputs, so the same Y1 bit for bit).
+and the RouteList (with biases: the biases and the top-k ids too). FC1's activation A [S, F]
+(dW_down's operand) is recomputed from Y1 by the dA kernel's epilogue, or, with `keep_act`
+(the MoE scope's `keep` mode, which a plan picks where memory allows), saved too, so that dA
+neither recomputes nor stores it: b S F more bytes for about 1% of the experts' fwd+bwd. With
+`recompute_fc1` (the MoE scope's selective recompute) Y1 is not saved: the backward re-runs FC1
+from x, the weights and the routes first (the same kernel on the same inputs, so the same Y1
+bit for bit), and dW_down reads that re-run's A. The bits are the same in every mode: FC1
+computes A from the rounded Y1, as dA does.
 
 Biases and the activation (GPT-OSS; see reference.py for the rounding points): b_gate_up rides
 FC1's epilogue, p * b_down FC2's, the clamped SwiGLU the FC1 and dA epilogues. Their
@@ -164,7 +168,7 @@ class PermuteFreeMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                 dispatch, configs, b_gate_up_EF2=None, b_down_EH=None, act=SWIGLU,
-                recompute_fc1=False, residual_TH=None):
+                recompute_fc1=False, residual_TH=None, keep_act=False):
         num_tokens, hidden = x_TH.shape
         num_experts, two_f, _ = w_gate_up_EFH.shape
         ffn = two_f // 2
@@ -193,9 +197,9 @@ class PermuteFreeMoE(torch.autograd.Function):
                    bias_EF2=b_gate_up_EF2, clamp=ctx.clamp)
         y2 = slot_gemm(a_S, w_down_EHF, routes, _scratch((S, hidden), x_TH.dtype, dev),
                        w_nk=True, cfg=cfg.fc2, bias_EN=b_down_EH, topk_weights_N=weights_N)
-        # A for dW_down: kept (gemm_config.KEEP_ACT), else dA recomputes it from Y1 (the same
-        # bits: FC1 computes it from the rounded Y1 too); with recompute_fc1 FC1's rerun has it.
-        kept_act = a_S if gemm_config.KEEP_ACT and not recompute_fc1 else None
+        # A for dW_down: kept (keep_act), else dA recomputes it from Y1; with recompute_fc1
+        # FC1's re-run has it.
+        kept_act = a_S if keep_act and not recompute_fc1 else None
         del a_S
         out = gather_combine(y2, routes.token_slots, _scratch((num_tokens, hidden), x_TH.dtype,
                                                               dev), residual_TH)
@@ -225,14 +229,14 @@ class PermuteFreeMoE(torch.autograd.Function):
         need_x, _, need_w, need_gu, need_down = ctx.needs_input_grad[:5]
         need_b_gu, need_b_down = ctx.needs_input_grad[7:9]
         dout_TH = dout_TH.contiguous()
-        if y1 is None:  # recompute_fc1: FC1 again; its activation kept under KEEP_ACT
+        if y1 is None:  # recompute_fc1: FC1 again; dW_down reads its activation
             y1 = _scratch((S, two_f), x_TH.dtype, dev)
             b_gate_up = ctx.biases[0]
             act_S = _scratch((S, ffn), x_TH.dtype, dev)
             fc1_swiglu(x_TH, w_gate_up_EFH, weights_N, routes, y1, act_S, cfg.fc1,
                        bias_EF2=None if b_gate_up is None else b_gate_up.contiguous(),
                        clamp=ctx.clamp)
-            act = act_S if gemm_config.KEEP_ACT else None
+            act = act_S
             del act_S
 
         dy1 = _scratch((S, two_f), x_TH.dtype, dev)
@@ -284,7 +288,7 @@ class PermuteFreeMoE(torch.autograd.Function):
         # Callers that pass no residual apply with fewer inputs: trailing Nones are allowed.
         d_residual = dout_TH if ctx.needs_input_grad[11:12] == (True,) else None
         return (dx, None, dweights, dw_gate_up, dw_down, None, None, db_gate_up, db_down,
-                None, None, d_residual)
+                None, None, d_residual, None)
 
 
 def _wgrad(w, l_rows, r_rows, routes, gather_l, gather_r, cfg):
@@ -313,33 +317,38 @@ def _bias_grad(b, r_rows, routes, gather_r, weights_N):
 
 def permute_free_moe_with_drops(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                                 capacity_factor=None, configs: TileConfigs | None = None, *,
-                                b_gate_up=None, b_down=None, act: ExpertAct = SWIGLU):
+                                b_gate_up=None, b_down=None, act: ExpertAct = SWIGLU,
+                                keep_act: bool = False):
     """(y_TH, num_dropped [1] int32 on the device); `configs` overrides the tile choice."""
     return PermuteFreeMoE.apply(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
-                                capacity_factor, configs, b_gate_up, b_down, act)
+                                capacity_factor, configs, b_gate_up, b_down, act, False, None,
+                                keep_act)
 
 
 def permute_free_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                          dispatch: Dispatch, *, b_gate_up=None, b_down=None,
                          act: ExpertAct = SWIGLU, recompute_fc1: bool = False,
-                         residual: torch.Tensor | None = None) -> torch.Tensor:
+                         residual: torch.Tensor | None = None,
+                         keep_act: bool = False) -> torch.Tensor:
     """The experts over the routes `dispatch` keeps; reference_experts' contract (`residual`
-    is added by the combine kernel, the same bits as adding it after)."""
+    is added by the combine kernel, the same bits as adding it after; `keep_act`: FC1's
+    activation saved for the backward, see PermuteFreeMoE)."""
     if residual is not None:
         residual = residual.reshape(x_TH.shape)
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
     return PermuteFreeMoE.apply(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                                 dispatch, None, b_gate_up, b_down, act, recompute_fc1,
-                                residual)[0]
+                                residual, keep_act)[0]
 
 
 def permute_free_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
                      topk_weights_TK: torch.Tensor, w_gate_up_EFH: torch.Tensor,
                      w_down_EHF: torch.Tensor, capacity_factor: float | None = None, *,
                      b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-                     act: ExpertAct = SWIGLU) -> torch.Tensor:
-    """y_TH = sum_j p_tj * expert_{e_tj}(x_t): reference_moe's contract on the Triton kernels."""
+                     act: ExpertAct = SWIGLU, keep_act: bool = False) -> torch.Tensor:
+    """y_TH = sum_j p_tj * expert_{e_tj}(x_t): reference_moe's contract on the Triton kernels
+    (`keep_act`: FC1's activation saved for the backward, see PermuteFreeMoE)."""
     return permute_free_moe_with_drops(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH,
                                        w_down_EHF, capacity_factor, b_gate_up=b_gate_up,
-                                       b_down=b_down, act=act)[0]
+                                       b_down=b_down, act=act, keep_act=keep_act)[0]

@@ -57,12 +57,15 @@ def reference_moe(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
 def reference_experts(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_EFH, w_down_EHF,
                       dispatch: Dispatch, *, b_gate_up=None, b_down=None,
                       act: ExpertAct = SWIGLU, recompute_fc1: bool = False,
-                      residual: torch.Tensor | None = None) -> torch.Tensor:
+                      residual: torch.Tensor | None = None,
+                      keep_act: bool = False) -> torch.Tensor:
     """The experts over the routes `dispatch` keeps (all when keep_TK is None), plus
     `residual` ([T, H] or any shape of T * H elements) where given. A sink's
     gradient is deposited whole (an expert with no routes gets exact zeros). `recompute_fc1`
     (the MoE scope's selective recompute): this path keeps no expert activations and re-runs
-    its whole expert loop in the backward (torch's non-reentrant checkpoint; the same values)."""
+    its whole expert loop in the backward (torch's non-reentrant checkpoint; the same values).
+    `keep_act` (the permute-free path's kept activation) changes nothing here: this path keeps
+    every activation."""
     check_expert_extras(w_gate_up_EFH, w_down_EHF, b_gate_up, b_down, act)
     top_k = topk_ids_TK.shape[1]
     w_gate_up_EFH, w_down_EHF = grads.through(w_gate_up_EFH), grads.through(w_down_EHF)

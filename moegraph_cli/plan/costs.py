@@ -13,6 +13,10 @@ costs no launches. Forward FLOPs, T tokens of B sequences of S:
 - moe full: the router 2T*E*H, the experts 2T*k*3F*H, a shared expert 2T*3*Sh*H;
 - moe fc1 (selective): FC1 alone, 2T*k*2F*H;
 - mlp (dense layer): 2T*3I*H.
+The MoE scope's `keep` (FC1's activation kept) recomputes nothing: 0. What it saves over `none`,
+dA's recompute and store of that activation, is not modelled (about 1% of the experts'
+fwd+bwd, benchmarks/results/experts_ab_keep_act_h100.json), so the ladder's first step, back
+to `none`, costs 0 ms: the planner keeps the activation wherever the budget leaves room.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ RECOMPUTE_TFLOPS = 400.0
 
 
 def forward_flops(model: StepModel, kind: str, mode: str) -> float:
-    """One scope's forward FLOPs under `mode` (0 for none), for one rank's tokens."""
-    if mode == "none":
+    """One scope's forward FLOPs under `mode` (0 for none and keep), for one rank's tokens."""
+    if mode in ("none", "keep"):
         return 0.0
     c, run = model.prof.model, model.prof.run
     T, H = run.batch * run.seq_len, c.hidden_size
@@ -57,7 +61,7 @@ def forward_flops(model: StepModel, kind: str, mode: str) -> float:
 def recompute_ms(model: StepModel, kind: str, mode: str, captured: bool) -> float:
     """The extra time of one scope's recompute: its forward's FLOPs again, and its forward's
     launches where it runs eagerly; at least KERNEL_MIN_US for each of its kernels."""
-    if mode == "none":
+    if mode in ("none", "keep"):
         return 0.0
     ms = forward_flops(model, kind, mode) / (RECOMPUTE_TFLOPS * 1e12) * 1e3
     kernels = 1 if mode == "fc1" else LAUNCHES.get(kind, 0) * FORWARD_SHARE
@@ -67,7 +71,7 @@ def recompute_ms(model: StepModel, kind: str, mode: str, captured: bool) -> floa
 
 def forward_launch_ms(kind: str, mode: str) -> float:
     """The launches of a recomputed forward that runs eagerly (fc1: one kernel)."""
-    if mode == "none":
+    if mode in ("none", "keep"):
         return 0.0
     launches = 1 if mode == "fc1" else LAUNCHES.get(kind, 0) * FORWARD_SHARE
     return launches * LAUNCH_US / 1e3

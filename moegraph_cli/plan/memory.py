@@ -95,7 +95,9 @@ def written_grads(kinds: dict[str, ScopeMemory], prof: Profile, device_type: str
 
 def apply_calibration(model: StepModel, entry: dict) -> None:
     """Measured per-scope numbers replace the formulas; offsets absorb what the formulas miss
-    (allocator rounding and fragmentation, library workspaces), measured on one layer."""
+    (allocator rounding and fragmentation, library workspaces), measured on one layer. The
+    `keep` mode's numbers (FC1's activation, exact in the formulas) carry over: a calibration
+    measures the default mode."""
     for kind, s in entry.get("scopes", {}).items():
         if kind not in model.kinds:
             continue
@@ -108,7 +110,9 @@ def apply_calibration(model: StepModel, entry: dict) -> None:
             bwd_transient=max(0, int(s["bwd_peak_bytes"])),
             param_grads=old.param_grads, saves_input=bool(s.get("saves_input", False)),
             source="calibration",
-            private_pools=(int(pools[0]), int(pools[1])) if pools else None)
+            private_pools=(int(pools[0]), int(pools[1])) if pools else None,
+            keep_saved=old.keep_saved, keep_fwd_less=old.keep_fwd_less,
+            keep_bwd_less=old.keep_bwd_less)
     layer = entry.get("layer_model")
     if layer:
         # The same simulation over the calibration's one-layer model, against its measurement.

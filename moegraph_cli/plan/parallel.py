@@ -48,7 +48,7 @@ from ..models.common.shapes import param_shapes
 from ..config import Profile
 from ..report.summary import DTYPE_BYTES, layer_shapes
 from .scope_memory import (ScopeMemory, dp_part_bytes, expert_slots, first_moe_layer,
-                           fused_norms, kept_act_bytes, loss_moments, param_bytes, rms_saved,
+                           fused_norms, loss_moments, param_bytes, rms_saved,
                            route_block, shared_expert_memory)
 
 EXPERT_STACKS = ("moe.w_gate_up", "moe.w_down", "moe.b_gate_up", "moe.b_down")
@@ -447,6 +447,7 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
         fwd = max(2 * b * NR * H + 8 * R * H + b * R * H, combine) + b * T * H + ids
         bwd = (b * T * H + params + 4 * T * E
                + max(b * R * H + 2 * b * NR * H + 12 * R * H, combine + 2 * b * NR))
+        keep = {}
     else:
         if capacity is None:
             bound = R * min(k, E_l)
@@ -456,20 +457,28 @@ def moe_memory_ep(prof: Profile, parallel: Parallel, device_type: str = "cuda") 
             block = route_block(NR, E_l, device_type)
             S = expert_slots(NR, 1, E_l, block, P * capacity)
         saved += b * R * H + b * NR  # x_RH, w_RK
-        kept = kept_act_bytes(S, F, b)
-        saved += b * S * 2 * F + kept  # Y1 (and A, if kept)
-        fc1_saved, fc1_transient = b * S * 2 * F + kept, b * S * F - kept
+        saved += b * S * 2 * F  # Y1
+        fc1_saved, fc1_transient = b * S * 2 * F, b * S * F
         saved += 8 * (S + 1) + 4 * (S // block) + 4 * NR + 8 * E_l + 8  # the RouteList
-        # experts: act (unless kept: then in `saved`) + Y2 + the partial [R, H]; the combine
-        fwd = (max((4 + b) * T * H, b * S * F - kept + b * S * H + b * R * H, combine)
-               + b * T * H + ids)
         dp_part = dp_part_bytes(S, F, block, device_type)
-        experts_bwd = (b * R * H + b * S * 2 * F  # gathered dOut, dY1
-                       + max(b * S * F - kept + dp_part, b * S * H + b * R * H)  # act | dx
-                       + 4 * S + (4 + b) * NR)  # the weights' grads
-        bwd = b * T * H + params + max(experts_bwd, combine + 2 * b * NR) + 4 * T * E
+
+        def transients(kept: int) -> tuple[int, int]:
+            # experts: the activation (unless kept: then saved) + Y2 + the partial [R, H];
+            # the combine
+            fwd = (max((4 + b) * T * H, b * S * F - kept + b * S * H + b * R * H, combine)
+                   + b * T * H + ids)
+            experts_bwd = (b * R * H + b * S * 2 * F  # gathered dOut, dY1
+                           + max(b * S * F - kept + dp_part, b * S * H + b * R * H)  # act | dx
+                           + 4 * S + (4 + b) * NR)  # the weights' grads
+            return fwd, (b * T * H + params + max(experts_bwd, combine + 2 * b * NR)
+                         + 4 * T * E)
+
+        fwd, bwd = transients(0)
+        fwd_kept, bwd_kept = transients(b * S * F)
+        keep = dict(keep_saved=b * S * F, keep_fwd_less=fwd - fwd_kept,
+                    keep_bwd_less=bwd - bwd_kept)
     shared = shared_expert_memory(prof)
     return ScopeMemory("moe", saved + shared[0], b * T * H + 8 * E, b * T * H, fwd + shared[1],
                        bwd + shared[2], params, saves_input=fused or b == 4, fc1_saved=fc1_saved,
-                       fc1_transient=fc1_transient)
+                       fc1_transient=fc1_transient, **keep)
 

@@ -395,15 +395,20 @@ def _loss_why(prof, rows: int, ms: float, heads: list) -> str:
 
 
 def _recompute_why(model: StepModel, best: Choice, budget: int, strategies: list[str]) -> str:
-    """One line: which recompute the plan chose and why."""
-    chosen = {}
+    """One line: which recompute the plan chose and why (and where the experts keep FC1's
+    activation, the `keep` mode: less than no recompute)."""
+    chosen, kept = {}, []
     for ref, mode in zip(model.scopes, best.modes):
-        if mode != "none":
+        if mode == "keep":
+            kept.append(ref.layer)
+        elif mode != "none":
             chosen.setdefault(f"{ref.kind} {mode}", []).append(ref.layer)
     request = model.prof.run.recompute
+    keep = (f"; the experts keep FC1's activation on layers {_layer_ranges(kept)}"
+            if kept else "")
     if not chosen:
-        return "none needed: the choice fits the budget without recompute" if request == \
-            "auto" else f"none (run.recompute={request})"
+        return ("none needed: the choice fits the budget without recompute" if request ==
+                "auto" else f"none (run.recompute={request})") + keep
     what = "; ".join(f"{name} on layers {_layer_ranges(layers)}"
                      for name, layers in chosen.items())
     if request != "auto":
@@ -412,7 +417,7 @@ def _recompute_why(model: StepModel, best: Choice, budget: int, strategies: list
     without = model.predict(p.captured, p.strategy if any(p.captured) else strategies[0])
     return (f"{what}: without it this capture choice needs {fmt_bytes(without.required)}, over "
             f"the budget {fmt_bytes(budget)}; it costs about {best.recompute_ms:.2f} ms/step "
-            "(estimate)")
+            f"(estimate){keep}")
 
 
 def _nothing_fits(model: StepModel, who: str, budget: int, floor: Prediction,

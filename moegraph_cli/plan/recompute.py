@@ -1,12 +1,15 @@
 """The order the planner adds recompute in (models/common/recompute.py; its cost: costs.py).
 
-The ladder. `run.recompute: auto` lets the planner add recompute one layer at a time along a
-fixed ladder, cheapest memory first: the stage (fc1 on every MoE layer, attn on every layer)
-that frees more bytes per ms of extra time first, then the other, then full recompute of the
-MoE / MLP scopes (which supersedes fc1). For any capture choice the planner takes the shortest
-prefix of the ladder that fits the budget: recompute only where the budget needs it. A forced
-`run.recompute` (attn, moe, full, fc1, attn+fc1) fixes every layer's modes instead, and `none`
-allows none.
+The ladder. `run.recompute: auto` starts every MoE layer of the permute-free experts at
+`keep` (FC1's activation kept too: nothing recomputed) and lets the planner add recompute one
+layer at a time along a fixed ladder, cheapest memory first: `keep` back to `none` on each
+MoE layer (dA recomputes the activation: free in the time model, costs.py); then the stage
+(fc1 on every MoE layer, attn on every layer) that frees more bytes per ms of extra time
+first, then the other, then full recompute of the MoE / MLP scopes (which supersedes fc1). For
+any capture choice the planner takes the shortest prefix of the ladder that fits the budget:
+the activation kept where the budget leaves room, recompute only where the budget needs it.
+A forced `run.recompute` (attn, moe, full, fc1, attn+fc1, keep) fixes every layer's modes
+instead, and `none` allows none.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ def ladder(model: StepModel, request: str) -> tuple[tuple[str, ...], list[Step]]
     if request != "auto":
         forced = RECOMPUTE[request]
         return tuple(forced.get(r.kind, "none") for r in scopes), []
-    base = tuple("none" for _ in scopes)
+    kept = [i for i, r in enumerate(scopes)
+            if r.kind == "moe" and model.kinds["moe"].keep_saved > 0]
+    base = tuple("keep" if i in set(kept) else "none" for i in range(len(scopes)))
+    steps = [Step(i, "none", 0.0) for i in kept]
     stages = {"fc1": [i for i, r in enumerate(scopes) if r.kind == "moe"
                       and model.kinds["moe"].fc1_saved > 0],
               "attn": [i for i, r in enumerate(scopes) if r.kind == "attn"]}
@@ -47,7 +53,6 @@ def ladder(model: StepModel, request: str) -> tuple[tuple[str, ...], list[Step]]
         return _freed(model, kind, mode) / ms if ms > 0 else 0.0
 
     order = sorted((s for s in stages if stages[s]), key=lambda s: -efficiency(s))
-    steps: list[Step] = []
     for name in order:
         for i in stages[name]:
             kind = scopes[i].kind

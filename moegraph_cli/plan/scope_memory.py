@@ -28,7 +28,11 @@ Transients are upper estimates from the largest temporaries alive together; a ca
 (measured on the GPU by `moegraph profile --calibrate`) replaces all of these numbers.
 - fc1_saved / fc1_transient (moe): what the selective recompute of FC1 takes out of `saved`
   (Y1 [S, 2F] on the permute-free path; the reference path's whole expert loop) and the
-  short-lived buffer its re-run adds in the backward (the discarded activation [S, F]).
+  short-lived buffer its re-run adds in the backward (its activation [S, F], which dW_down
+  then reads).
+- keep_saved / keep_fwd_less / keep_bwd_less (moe, permute-free): what the `keep` mode adds to
+  `saved` (FC1's activation [S, F]) and takes off the forward's and the backward's transients
+  (the activation no longer freed in the forward, nor allocated by dA in the backward).
 `recomputed(m, mode)` gives a scope's numbers under recompute (models/common/recompute.py).
 """
 
@@ -60,6 +64,9 @@ class ScopeMemory:
     private_pools: tuple[int, int] | None = None
     fc1_saved: int = 0
     fc1_transient: int = 0
+    keep_saved: int = 0
+    keep_fwd_less: int = 0
+    keep_bwd_less: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,17 +78,23 @@ def recomputed(m: ScopeMemory, mode: str) -> ScopeMemory:
       transient of the forward (built, then dropped) and come back in the backward, where the
       re-run's outputs and the larger of its forward and backward transients sit on them.
     - fc1 (moe): `fc1_saved` leaves `saved` and lives through the backward, beside the larger
-      of the re-run's discarded activation and the backward's own transient."""
+      of the re-run's activation and the backward's own transient.
+    - keep (moe): `keep_saved` joins `saved`; the transients lose what it takes off them."""
+    gone = dict(private_pools=None, fc1_saved=0, fc1_transient=0, keep_saved=0,
+                keep_fwd_less=0, keep_bwd_less=0)
     if mode == "full":
         return dataclasses.replace(
             m, saved=0, saves_input=True, fwd_transient=m.saved + m.fwd_transient,
-            bwd_transient=m.saved + m.out + max(m.fwd_transient, m.bwd_transient),
-            private_pools=None, fc1_saved=0, fc1_transient=0)
+            bwd_transient=m.saved + m.out + max(m.fwd_transient, m.bwd_transient), **gone)
     if mode == "fc1" and m.fc1_saved:
         return dataclasses.replace(
             m, saved=m.saved - m.fc1_saved,
-            bwd_transient=m.fc1_saved + max(m.fc1_transient, m.bwd_transient),
-            private_pools=None, fc1_saved=0, fc1_transient=0)
+            bwd_transient=m.fc1_saved + max(m.fc1_transient, m.bwd_transient), **gone)
+    if mode == "keep" and m.keep_saved:
+        return dataclasses.replace(
+            m, saved=m.saved + m.keep_saved,
+            fwd_transient=max(0, m.fwd_transient - m.keep_fwd_less),
+            bwd_transient=max(0, m.bwd_transient - m.keep_bwd_less), **gone)
     return m
 
 
@@ -100,12 +113,6 @@ def dp_part_bytes(slots: int, ffn: int, block: int, device_type: str) -> int:
     paired = (device_type == "cuda" and block >= 128 and ffn % 256 == 0
               and flag_from_env("MOEGRAPH_DACT_PAIRED", True))
     return 4 * slots * (ffn // 64 if paired else max(1, ffn // 128))
-
-
-def kept_act_bytes(slots: int, ffn: int, b: int) -> int:
-    """FC1's activation [S, F], saved beside Y1 where MOEGRAPH_KEEP_ACT is on
-    (kernels/gemm_config.KEEP_ACT: dA then neither recomputes nor allocates it); else 0."""
-    return b * slots * ffn if flag_from_env("MOEGRAPH_KEEP_ACT", False) else 0
 
 
 def expert_slots(num_tokens: int, top_k: int, num_experts: int, block: int,
@@ -264,29 +271,39 @@ def moe_memory(prof: Profile, device_type: str = "cuda") -> ScopeMemory:
         S = expert_slots(T, k, E, route_block(N, E, device_type), capacity)
         block = route_block(N, E, device_type)
         saved += b * N  # the top-k weights the experts read (model dtype)
-        kept = kept_act_bytes(S, F, b)
-        saved += b * S * 2 * F + kept  # Y1, the only F-scale tensor kept (and A, if kept)
-        fc1_saved, fc1_transient = b * S * 2 * F + kept, b * S * F - kept
+        saved += b * S * 2 * F  # Y1, the only F-scale tensor kept
+        fc1_saved, fc1_transient = b * S * 2 * F, b * S * F
         saved += 8 * (S + 1) + 4 * (S // block) + 4 * N + 8 * E + 8  # the RouteList
         tok, act, y2 = b * T * H, b * S * F, b * S * H
-        # FC2 writes Y2 beside the activation; the activation (unless kept: then it is in
-        # `saved`) is freed before the combine's output [T, H] is allocated, which takes its
-        # block where it fits.
-        routed = max((2 * b if fused else 4 + b) * T * H, y2 + max(act - kept, tok))
         dp_part = dp_part_bytes(S, F, block, device_type)
-        # dY1 throughout; beside it first the activation (FC2's dW; none if kept) and dp's
-        # partials, then the slots' dX with its combine and the router's and the residual's
-        # [T, H] grads.
-        bwd = params + b * S * 2 * F + max(act - kept + dp_part, y2 + 3 * tok) + 4 * T * E
+
+        def transients(kept: int) -> tuple[int, int]:
+            # FC2 writes Y2 beside the activation; the activation (unless kept: then it is
+            # saved) is freed before the combine's output [T, H] is allocated, which takes
+            # its block where it fits. Backward: dY1 throughout; beside it first the
+            # activation (FC2's dW; dA's own unless kept) and dp's partials, then the slots'
+            # dX with its combine and the router's and the residual's [T, H] grads.
+            routed = max((2 * b if fused else 4 + b) * T * H, y2 + max(act - kept, tok))
+            bwd = params + b * S * 2 * F + max(act - kept + dp_part, y2 + 3 * tok) + 4 * T * E
+            return routed, bwd
+
+        routed, bwd = transients(0)
+        routed_kept, bwd_kept = transients(act)
         shared_saved, _, shared_bwd = shared_expert_memory(prof)
-        # The shared expert runs after the routed ones: its tensors are allocated when the
-        # routed transients are gone; at its sum three [T, H] are live beside everything saved
-        # (the routed output, the scaled or unsaved shared output, the sum).
-        peak = max(saved + routed, saved + shared_saved + (3 * tok if shared_saved else tok))
-        return ScopeMemory("moe", saved + shared_saved, tok + 8 * E, tok,
-                           peak - saved - shared_saved - tok, bwd + shared_bwd, params,
-                           saves_input=fused or b == 4, fc1_saved=fc1_saved,
-                           fc1_transient=fc1_transient)
+
+        def fwd_transient(routed: int) -> int:
+            # The shared expert runs after the routed ones: its tensors are allocated when the
+            # routed transients are gone; at its sum three [T, H] are live beside everything
+            # saved (the routed output, the scaled or unsaved shared output, the sum).
+            peak = max(saved + routed, saved + shared_saved + (3 * tok if shared_saved else tok))
+            return peak - saved - shared_saved - tok
+
+        fwd = fwd_transient(routed)
+        return ScopeMemory("moe", saved + shared_saved, tok + 8 * E, tok, fwd,
+                           bwd + shared_bwd, params, saves_input=fused or b == 4,
+                           fc1_saved=fc1_saved, fc1_transient=fc1_transient, keep_saved=act,
+                           keep_fwd_less=fwd - fwd_transient(routed_kept),
+                           keep_bwd_less=bwd - bwd_kept)
     shared = shared_expert_memory(prof)
     return ScopeMemory("moe", saved + shared[0], b * T * H + 8 * E, b * T * H, fwd + shared[1],
                        bwd + shared[2], params, saves_input=fused or b == 4,

@@ -5,6 +5,8 @@ most twice the error of the reference itself run in bf16 (relative Frobenius nor
 small floor so a near-zero baseline cannot make the test flaky).
 """
 
+import functools
+
 import pytest
 import torch
 from routing_cases import moe_inputs
@@ -126,17 +128,15 @@ def test_two_runs_are_bitwise_identical():
 
 
 @pytest.mark.parametrize("kind,T", [("zipf", 512), ("uniform", 4096)])
-def test_kept_activation_gives_the_bits_of_the_recomputed_one(kind, T, monkeypatch):
-    """gemm_config.KEEP_ACT at the Qwen3 shape (64- and 128-row blocks, dA's paired tile at
-    the latter): no bit of the output or a gradient changes, NaN-poisoned scratch."""
-    from moegraph_kernels import gemm_config
-
+def test_kept_activation_gives_the_bits_of_the_recomputed_one(kind, T):
+    """keep_act at the Qwen3 shape (64- and 128-row blocks, dA's paired tile at the latter):
+    no bit of the output or a gradient changes, NaN-poisoned scratch."""
     args = _inputs(kind, T, 8, 128, 2048, 768, seed=5)
     outs = []
     for keep in (True, False):
-        monkeypatch.setattr(gemm_config, "KEEP_ACT", keep)
         with poisoned_scratch():
-            outs.append(_run(permute_free_moe, *args, None, torch.bfloat16))
+            outs.append(_run(functools.partial(permute_free_moe, keep_act=keep), *args, None,
+                             torch.bfloat16))
     for name, a, b in zip(NAMES, *outs):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), name

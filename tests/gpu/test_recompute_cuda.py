@@ -17,7 +17,7 @@ from moegraph_cli.train.trainer import batches
 pytestmark = pytest.mark.cuda
 
 MODES = {"full": {"attn": "full", "moe": "full", "mlp": "full"}, "fc1": {"moe": "fc1"},
-         "attn+fc1": {"attn": "full", "moe": "fc1"}}
+         "attn+fc1": {"attn": "full", "moe": "fc1"}, "keep": {"moe": "keep"}}
 
 
 def _model(mode=None, profile="tiny-qwen3-moe", overrides=()):
@@ -42,13 +42,13 @@ def _same(a, b):
         assert all(torch.equal(x, y) for x, y in zip(ga, gb))
 
 
-@pytest.mark.parametrize("mode", ["full", "fc1", "attn+fc1"])
+@pytest.mark.parametrize("mode", ["full", "fc1", "attn+fc1", "keep"])
 def test_eager_recompute_bitwise_bf16(mode):
     base, rec = _model(), _model(mode)
     _same(_run(GraphTrainer(base, lr=1e-4), base), _run(GraphTrainer(rec, lr=1e-4), rec))
 
 
-@pytest.mark.parametrize("mode", ["full", "attn+fc1"])
+@pytest.mark.parametrize("mode", ["full", "attn+fc1", "keep"])
 @pytest.mark.parametrize("strategy", ["shared", "per_entry"])
 def test_graphed_recompute_bitwise_bf16(mode, strategy):
     base, rec = _model(), _model(mode)
@@ -76,7 +76,7 @@ def test_step_graph_with_recompute_bitwise_bf16():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("recompute", ["full", "fc1"])
+@pytest.mark.parametrize("recompute", ["full", "fc1", "keep"])
 @pytest.mark.parametrize("scopes", ["attn,moe", "step"])
 def test_verify_lr0_bitwise_with_recompute(recompute, scopes):
     spec = resolve("tiny-qwen3-moe", None, [f"run.recompute={recompute}",
@@ -88,10 +88,11 @@ def test_verify_lr0_bitwise_with_recompute(recompute, scopes):
 
 def test_recompute_frees_saved_activations():
     """The allocator's peak of a forward+backward falls under recompute (qwen3 shape, one
-    layer, 4 x 1024 tokens): fc1 frees Y1 [S, 2F] per MoE layer, full nearly everything."""
+    layer, 4 x 1024 tokens): fc1 frees Y1 [S, 2F] per MoE layer, full nearly everything; keep
+    holds FC1's activation [S, F] per MoE layer more."""
     over = ["model.num_hidden_layers=2", "run.batch=4", "run.seq_len=1024"]
     peaks = {}
-    for mode in (None, "fc1", "full"):
+    for mode in (None, "fc1", "full", "keep"):
         model = _model(mode, "qwen3-30b-a3b-4layer", over)
         tr = GraphTrainer(model, lr=0.0)
         ids = next(batches(model.config.vocab_size, 4, 1024, 0, "cuda"))
@@ -103,4 +104,4 @@ def test_recompute_frees_saved_activations():
         peaks[mode] = torch.cuda.max_memory_allocated() - before
         del model, tr
         torch.cuda.empty_cache()
-    assert peaks["full"] < peaks["fc1"] < peaks[None], peaks
+    assert peaks["full"] < peaks["fc1"] < peaks[None] < peaks["keep"], peaks

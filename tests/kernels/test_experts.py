@@ -130,28 +130,26 @@ def test_residual_rides_the_combine_with_the_bits_of_adding_it_after(kind, T, k,
     assert torch.equal(got[-1], dout)
 
 
-@pytest.mark.parametrize("recompute_fc1", [False, True])
+@pytest.mark.parametrize("mode", ["keep", "fc1"])
 @pytest.mark.parametrize("kind,T,k,E,H,F", [CASES[1], CASES[3], CASES[5]])
-def test_kept_activation_gives_the_bits_of_the_recomputed_one(kind, T, k, E, H, F,
-                                                              recompute_fc1, monkeypatch):
-    """gemm_config.KEEP_ACT (FC1's activation kept for dW_down, dA not writing it) changes
-    no bit of the output or of any gradient, with FC1 kept or rerun in the backward."""
+def test_kept_activation_gives_the_bits_of_the_recomputed_one(kind, T, k, E, H, F, mode):
+    """FC1's activation kept for dW_down (`keep_act`: dA not writing it), or taken from FC1's
+    re-run (`recompute_fc1`), changes no bit of the output or of any gradient against dA's
+    recomputed one."""
     from moegraph_cli.moe.experts import permute_free_experts
     from moegraph_cli.moe.routing import local_dispatch
-    from moegraph_kernels import gemm_config
 
     x, ids, w, w_gate_up, w_down, dout = _inputs(kind, T, k, E, H, F, seed=13)
 
-    def run(keep):
-        monkeypatch.setattr(gemm_config, "KEEP_ACT", keep)
+    def run(mode):
         leaves = [t.clone().requires_grad_() for t in (x, w, w_gate_up, w_down)]
         with poisoned_scratch():
             y = permute_free_experts(leaves[0], ids, *leaves[1:4],
                                      local_dispatch(ids, leaves[1], E, None),
-                                     recompute_fc1=recompute_fc1)
+                                     recompute_fc1=mode == "fc1", keep_act=mode == "keep")
             return [y.detach(), *torch.autograd.grad(y, leaves, dout)]
 
-    kept, recomputed = run(True), run(False)
-    for name, a, b in zip(NAMES, kept, recomputed):
+    got, recomputed = run(mode), run("none")
+    for name, a, b in zip(NAMES, got, recomputed):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), name

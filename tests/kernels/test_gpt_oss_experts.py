@@ -266,17 +266,14 @@ def test_bias_shapes_are_checked():
         permute_free_moe(x, ids, w, w_gate_up, w_down, act="clamped_swiglu")
 
 
-def test_kept_activation_gives_the_bits_of_the_recomputed_one(monkeypatch):
-    """gemm_config.KEEP_ACT with biases and the clamped SwiGLU: FC1's kept activation (its
-    bias inside Y1) is the one dA would recompute, so no output or gradient bit changes."""
-    from moegraph_kernels import gemm_config
-
+def test_kept_activation_gives_the_bits_of_the_recomputed_one():
+    """keep_act with biases and the clamped SwiGLU: FC1's kept activation (its bias inside Y1)
+    is the one dA would recompute, so no output or gradient bit changes."""
     args = _inputs("zipf", 40, 3, 6, 24, 20, seed=21)
     outs = []
     for keep in (True, False):
-        monkeypatch.setattr(gemm_config, "KEEP_ACT", keep)
         with poisoned_scratch():
-            outs.append(_run(permute_free_moe, *args))
+            outs.append(_run(permute_free_moe, *args, keep_act=keep))
     for name, a, b in zip(NAMES, *outs):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), name

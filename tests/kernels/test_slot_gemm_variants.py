@@ -348,14 +348,13 @@ def test_split_tail_needs_the_tile_to_be_the_route_block():
 @pytest.mark.parametrize("keep_act", [False, True])
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 @pytest.mark.parametrize("pair", ["", "+pair"])
-def test_split_tail_end_to_end_matches_reference(capacity_factor, pair, keep_act, monkeypatch):
+def test_split_tail_end_to_end_matches_reference(capacity_factor, pair, keep_act):
     """The split tail, also under the paired FC1 (its tail launch reuses the pair box), and
     with FC1's activation kept (dA's tail then writes no A)."""
-    monkeypatch.setattr(gc, "KEEP_ACT", keep_act)
     case = ("zipf", 96, 4, 7, 32, 32)
     tail = _cfg(32).with_variant("tma+persistent+tail" + pair)
     _end_to_end_matches_reference(case, capacity_factor, lambda base: base._replace(
-        route_block=32, fc1=tail, fc2=tail, dact=tail, dx=tail))
+        route_block=32, fc1=tail, fc2=tail, dact=tail, dx=tail), keep_act)
     assert all(gl.LAST_PLAN[kernel].tail for kernel in KERNELS)
     assert gl.LAST_PLAN["fc1"].paired == bool(pair)
 
@@ -521,9 +520,9 @@ def test_paired_dact_end_to_end_matches_reference(kind, T, k, E, H, F, capacity_
     assert gl.LAST_PLAN["dact"].paired
 
 
-def _end_to_end_matches_reference(case, capacity_factor, configure):
+def _end_to_end_matches_reference(case, capacity_factor, configure, keep_act=False):
     """permute_free_moe under configure(the CPU's tile_configs), poisoned scratch, against
-    reference_moe: output and every gradient."""
+    reference_moe: output and every gradient (`keep_act`: FC1's activation kept)."""
     kind, T, k, E, H, F = case
     x, ids, w, w_gate_up, w_down, dout = moe_inputs(kind, T, k, E, H, F, seed=T + E)
     configs = configure(tile_configs(T * k, E, H, F, torch.device("cpu")))
@@ -534,7 +533,8 @@ def _end_to_end_matches_reference(case, capacity_factor, configure):
         return [y.detach(), *torch.autograd.grad(y, leaves, dout)]
 
     with poisoned_scratch():
-        got = run(lambda *a: permute_free_moe_with_drops(*a, capacity_factor, configs)[0])
+        got = run(lambda *a: permute_free_moe_with_drops(*a, capacity_factor, configs,
+                                                         keep_act=keep_act)[0])
     want = run(lambda *a: reference_moe(*a, capacity_factor))
     for name, g, r in zip(["y", "dx", "dtopk_weights", "dw_gate_up", "dw_down"], got, want):
         assert torch.isfinite(g).all(), name

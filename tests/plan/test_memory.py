@@ -14,7 +14,8 @@ from moegraph_cli.config import load_profile
 from moegraph_cli.models import MoeCausalLM
 from moegraph_cli.plan.memory import step_model
 from moegraph_cli.plan.scope_memory import (ScopeMemory, attn_memory, dp_part_bytes,
-                                            expert_slots, moe_memory, route_block)
+                                            expert_slots, moe_memory, recomputed,
+                                            route_block)
 from moegraph_cli.plan.simulation import (MEDIUM_SEGMENT, MEDIUM_SEGMENTS_PER_POOL, StepModel,
                                           scope_refs)
 
@@ -106,13 +107,18 @@ def test_slot_formula_matches_the_kernels():
 
 
 # -- saved activations: formula vs autograd's saved tensors ----------------------------------
-def measure_saved(prof) -> dict[str, tuple[int, bool]]:
+def measure_saved(prof, modes: dict[str, str] | None = None) -> dict[str, tuple[int, bool]]:
     """Bytes autograd saves per scope during one forward and still holds when it ends, by
-    storage, excluding parameters, the rope tables and the scope's input (a flag). Packed
-    tensors are held weakly: a node nothing differentiable reaches is freed with what it
-    saved, and its address may be reused, so liveness is checked at the end."""
+    storage, excluding parameters, the rope tables and the scope's input (a flag), with
+    every layer's scopes at `modes` ({kind: recompute mode}). Packed tensors are held weakly:
+    a node nothing differentiable reaches is freed with what it saved, and its address may be
+    reused, so liveness is checked at the end."""
+    from moegraph_cli.models.common.recompute import set_recompute
+
     torch.manual_seed(0)
     model = MoeCausalLM.from_config(prof.model, prof.moe, 0, prof.run.dtype, "cpu")
+    if modes:
+        set_recompute(model, {i: modes for i in range(len(model.layers))})
     ids = torch.randint(0, prof.model.vocab_size, (prof.run.batch, prof.run.seq_len))
     model.rope_tables(prof.run.seq_len, next(model.parameters()).dtype, "cpu")
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -207,29 +213,27 @@ def test_saved_formula_of_each_family(profile, dtype):
         assert input_saved == model.kinds[ref.kind].saves_input, ref.name
 
 
-@pytest.mark.parametrize("keep_act", ["0", "1"])
+@pytest.mark.parametrize("recompute", ["none", "keep", "fc1"])
 @pytest.mark.parametrize("mode", ["dropless", "capacity"])
-def test_permute_free_saved_formula(mode, keep_act, monkeypatch):
-    """The Triton path under the interpreter (fp32, small): Y1 [S, 2F] (and A [S, F] under
-    MOEGRAPH_KEEP_ACT), the weights and the RouteList are what it keeps; the formula must
-    match exactly."""
-    import moegraph_kernels.gemm_config as gc
-    monkeypatch.setenv("MOEGRAPH_KEEP_ACT", keep_act)
-    monkeypatch.setattr(gc, "KEEP_ACT", keep_act == "1")
+def test_permute_free_saved_formula(mode, recompute):
+    """The Triton path under the interpreter (fp32, small): Y1 [S, 2F] (and A [S, F] in the
+    `keep` mode, neither in `fc1`), the weights and the RouteList are what it keeps; the
+    formula must match exactly."""
     prof = load_profile("tiny-qwen3-moe", [
         "run.dtype=float32", "run.seq_len=32", "run.batch=1", "moe.backend=permute_free",
         "model.hidden_size=64", "model.moe_intermediate_size=32", "model.num_hidden_layers=1",
         "model.vocab_size=128", f"moe.mode={mode}", "moe.capacity_factor=1.0"])
-    got, _ = measure_saved(prof)["layers.0.moe"]
-    assert got == step_model(prof, device_type="cpu").kinds["moe"].saved
+    got, _ = measure_saved(prof, {"moe": recompute})["layers.0.moe"]
+    assert got == recomputed(step_model(prof, device_type="cpu").kinds["moe"], recompute).saved
     if mode == "dropless":  # T=32, H=64, E=8, k=2, N=64, F=32, fp32; CPU slot block 16
         S = (64 // 16 + 8) * 16  # 192
         norm = 4 * 32 + 4 * 32 * 64 + 4 * 32 * 64  # rsqrt, normed, y (fp32 x is the input)
         router = 4 * 32 * 8 + 8 * 64 + 4 * 64 + 4 * 32  # probs, top-k ids, values, their sum
         route_list = 8 * (S + 1) + 4 * (S // 16) + 4 * 64 + 8 * 8 + 8
-        kept = S * 32 * 4 if keep_act == "1" else 0
-        assert got == norm + router + 4 * 64 + S * 2 * 32 * 4 + route_list + kept \
-            == 69_760 + kept
+        y1, act = S * 2 * 32 * 4, S * 32 * 4
+        f_scale = {"none": y1, "keep": y1 + act, "fc1": 0}[recompute]
+        assert got == norm + router + 4 * 64 + route_list + f_scale \
+            == 69_760 - y1 + f_scale
 
 
 def test_attn_saved_scales_with_tokens():

@@ -22,7 +22,7 @@ from moegraph_cli.config import load_profile
 from moegraph_cli.errors import UsageError
 from moegraph_cli.plan.memory import step_model
 from moegraph_cli.plan.runkey import run_key, same_run
-from moegraph_cli.plan.scope_memory import rms_saved
+from moegraph_cli.plan.scope_memory import recomputed, rms_saved
 from moegraph_cli.plan.simulation import (FRAGMENTATION, MEDIUM_SEGMENT, MEDIUM_SEGMENTS_PER_POOL,
                                           STRATEGIES)
 from moegraph_cli.plan.parallel import (Parallel, moe_memory_ep, padding_replicas, shard_numel,
@@ -198,7 +198,7 @@ def _rank_checks(rank, world):
         _ep_scope_saved(rank, world, name, extra)
 
 
-def _ep_scope_saved(rank, world, name, extra):
+def _ep_scope_saved(rank, world, name, extra, recompute="none"):
     from moegraph_cli.models.common.ffn import MoeScope
     from moegraph_cli.moe.ep import EpGroup
 
@@ -209,6 +209,7 @@ def _ep_scope_saved(rank, world, name, extra):
     ep = EpGroup(dist.group.WORLD, world, rank, prof.model.num_experts)
     torch.manual_seed(rank)
     scope = MoeScope(prof.model, prof.moe, ep).to(torch.bfloat16)
+    scope.recompute = recompute
     with torch.no_grad():
         for p in scope.parameters():
             p.normal_(0, 0.05)
@@ -226,7 +227,8 @@ def _ep_scope_saved(rank, world, name, extra):
         out, stats = scope(h)
     live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for t in (r() for r in packed) if t is not None}
-    assert sum(live.values()) == moe_memory_ep(prof, Parallel(world, world), "cpu").saved
+    assert sum(live.values()) == recomputed(moe_memory_ep(prof, Parallel(world, world), "cpu"),
+                                            recompute).saved
     (out.float().sum() + stats.sum()).backward()  # every rank joins the backward collectives
 
 
@@ -235,16 +237,11 @@ def test_shards_and_ep_saved_bytes_match_real_ranks():
 
 
 def _kept_act_saved(rank, world):
-    import moegraph_kernels.gemm_config as gc
-
-    gc.KEEP_ACT = True  # a forkserver child may have imported it before the env was set
-    _ep_scope_saved(rank, world, "tiny-qwen3-moe", [])
+    _ep_scope_saved(rank, world, "tiny-qwen3-moe", [], "keep")
 
 
-def test_ep_saved_bytes_with_the_activation_kept(monkeypatch):
-    """MOEGRAPH_KEEP_ACT (the experts' switch; the planner reads the env): the EP formula
-    counts A [S, F] too."""
-    monkeypatch.setenv("MOEGRAPH_KEEP_ACT", "1")
+def test_ep_saved_bytes_with_the_activation_kept():
+    """The `keep` mode (FC1's activation kept): the EP formula counts A [S, F] too."""
     run_gloo(_kept_act_saved, 2)
 
 

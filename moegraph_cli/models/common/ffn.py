@@ -50,9 +50,11 @@ from .recompute import Scope, recomputing
 COMBINE_RESIDUAL = os.environ.get("MOEGRAPH_COMBINE_RESIDUAL", "1") not in ("0", "")
 
 
-def experts_fn(backend: str, device: torch.device, recompute_fc1: bool = False):
-    """The expert implementation for a backend name; `auto` picks by device. `recompute_fc1`:
-    the experts keep no FC1 output for their backward and re-run FC1 there."""
+def experts_fn(backend: str, device: torch.device, mode: str = "none"):
+    """The expert implementation for a backend name; `auto` picks by device. `mode`, the MoE
+    scope's recompute mode: `fc1`, the experts keep no FC1 output for their backward and re-run
+    FC1 there; `keep`, they keep FC1's activation too (the permute-free path; see
+    moe/experts.PermuteFreeMoE)."""
     if backend == "auto":
         backend = "permute_free" if device.type == "cuda" else "reference"
     if backend == "permute_free":
@@ -60,7 +62,9 @@ def experts_fn(backend: str, device: torch.device, recompute_fc1: bool = False):
         fn = permute_free_experts
     else:
         fn = reference_experts
-    return functools.partial(fn, recompute_fc1=True) if recompute_fc1 else fn
+    if mode == "fc1":
+        return functools.partial(fn, recompute_fc1=True)
+    return functools.partial(fn, keep_act=True) if mode == "keep" else fn
 
 
 class MoeScope(Scope):
@@ -153,7 +157,7 @@ class MoeScope(Scope):
         else:
             topk_ids_TK, topk_weights_TK, probs_TE = route(
                 xr_TH, grads.through(self.router.weight), self.top_k, self.norm_topk_prob)
-        experts = experts_fn(self.backend, x_TH.device, self.recompute == "fc1")
+        experts = experts_fn(self.backend, x_TH.device, self.recompute)
         if self.ep is not None:
             kind = dispatch_kind(self.ep.size, x_TH.shape[0], self.top_k, self.ep.num_experts,
                                  self.ep_capacity_factor, self.ep_dispatch)

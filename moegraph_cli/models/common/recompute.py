@@ -24,6 +24,9 @@ work); under the whole-step graph it is part of the step graph.
 
 `recompute == "fc1"` (MoE scopes only) is selective: the scope runs directly, and the experts
 drop FC1's output Y1 [S, 2F], their largest saved tensor, re-running FC1 in their backward.
+`recompute == "keep"` (MoE scopes only) goes the other way: the experts keep FC1's activation
+[S, F] beside Y1, so their backward recomputes nothing (moe/experts.PermuteFreeMoE). All three
+give the same bits.
 """
 
 from __future__ import annotations
