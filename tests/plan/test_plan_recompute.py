@@ -19,13 +19,18 @@ TWELVE = ["-p", "qwen3-30b-a3b-12layer", "--budget", "80GiB", "--set", "run.batc
           "--set", "run.seq_len=4096"]
 
 
+def _recomputes(layer) -> set[str]:
+    """A plan layer's recompute modes, the kept activation (`keep`: less than none) aside."""
+    return set(layer["recompute"].values()) - {"keep"}
+
+
 def test_recipe_slice_fits_80gib_by_recompute_and_not_without():
     # with the logits whole (the chunked head fits without recompute: below)
     code, out, err = run_cli("plan", *TWELVE, "--set", "run.loss_chunk=0", "--json")
     assert code == 0, err
     r = json.loads(out)
     assert r["required_budget"] <= 80 * 2**30
-    assert any(layer["recompute"] for layer in r["layers"])
+    assert any(_recomputes(layer) for layer in r["layers"])
     assert r["recompute_ms"] > 0 and "without it" in r["recompute_why"]
     code, _, err = run_cli("plan", *TWELVE, "--set", "run.recompute=none",
                            "--set", "run.loss_chunk=0")
@@ -36,13 +41,56 @@ def test_recipe_slice_fits_80gib_by_recompute_and_not_without():
     assert code == 0, err
     r = json.loads(out)
     assert r["loss_chunk"] > 0 and not any(layer["recompute"] for layer in r["layers"])
+    # forced none keeps no activation either
 
 
-def test_no_recompute_where_the_budget_does_not_need_it():
-    code, out, err = run_cli("plan", "--budget", "8GiB", "--json")
+def test_no_recompute_where_the_budget_does_not_need_it(tmp_path):
+    """With room to spare nothing is recomputed, and every MoE layer keeps FC1's activation
+    (the permute-free experts the planner prices on a GPU); the plan file carries that to the
+    model."""
+    path = tmp_path / "plan.yaml"
+    code, out, err = run_cli("plan", "--budget", "8GiB", "--json", "--out", str(path))
     assert code == 0, err
     r = json.loads(out)
-    assert not any(layer["recompute"] for layer in r["layers"]) and r["recompute_ms"] == 0
+    assert all(layer["recompute"] == {"moe": "keep"} for layer in r["layers"])
+    assert r["recompute_ms"] == 0 and "keep FC1's activation on layers" in r["recompute_why"]
+    spec = resolve("tiny-qwen3-moe")
+    model = build_model(spec, "cpu", plan=load_plan(path, spec.profile))
+    assert all(layer.ffn.recompute == "keep" and layer.attn.recompute == "none"
+               for layer in model.layers)
+
+
+def test_plan_keeps_the_activation_only_where_the_budget_has_room(tmp_path):
+    """Between the budget that keeps FC1's activation on every MoE layer and the one that
+    keeps it on none, the plan keeps it on some: the ladder's first rungs take `keep` back
+    one layer at a time, before any recompute, at no modelled cost."""
+    spec = resolve("qwen3-30b-a3b-12layer", overrides=["run.batch=4", "run.seq_len=4096"])
+    model = step_model(spec.profile)
+    base, steps = ladder(model, "auto")
+    moe = [i for i, r in enumerate(model.scopes) if r.kind == "moe"]
+    assert [base[i] for i in moe] == ["keep"] * len(moe)
+    assert [(s.scope, s.mode, s.ms) for s in steps[:len(moe)]] == [(i, "none", 0.0) for i in moe]
+    args = ["-p", "qwen3-30b-a3b-12layer", "--set", "run.batch=4", "--set", "run.seq_len=4096",
+            "--set", "run.loss_chunk=0", "--scopes", "", "--json"]
+
+    def plan(*extra):
+        code, out, err = run_cli("plan", *args, *extra)
+        assert code == 0, err
+        return json.loads(out)
+
+    kept, bare = plan("--budget", "200GiB"), plan("--budget", "200GiB", "--set",
+                                                  "run.recompute=none")
+    assert all(layer["recompute"] == {"moe": "keep"} for layer in kept["layers"])
+    gap = kept["required_budget"] - bare["required_budget"]
+    assert gap >= 12 * model.kinds["moe"].keep_saved // 2, gap
+    path = tmp_path / "plan.yaml"
+    r = plan("--budget", str(bare["required_budget"] + gap // 2), "--out", str(path))
+    modes = [layer["recompute"] for layer in r["layers"]]
+    assert {"moe": "keep"} in modes and {} in modes, modes
+    assert all(m in ({}, {"moe": "keep"}) for m in modes), modes
+    assert r["recompute_ms"] == 0
+    plan_file = load_plan(path, spec.profile)
+    assert plan_file.layer_recompute() == dict(enumerate(modes))
 
 
 def test_forced_recompute_on_every_layer():
@@ -64,6 +112,9 @@ def test_memory_falls_along_the_ladder():
     moe = model.kinds["moe"]
     assert recomputed(moe, "full").saved == 0 and recomputed(moe, "full").saves_input
     assert recomputed(moe, "fc1").saved == moe.saved - moe.fc1_saved > 0
+    kept = recomputed(moe, "keep")
+    assert kept.saved == moe.saved + moe.keep_saved and kept.keep_saved == 0
+    assert 2 * moe.keep_saved == moe.fc1_saved  # A [S, F] beside Y1 [S, 2F]
 
 
 def test_plan_recompute_applied_and_validated(tmp_path):
