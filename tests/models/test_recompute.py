@@ -26,6 +26,7 @@ MODES = {  # run.recompute-like choices, as per-scope modes of every layer
     "full": {"attn": "full", "moe": "full", "mlp": "full"},
     "fc1": {"moe": "fc1"},
     "attn+fc1": {"attn": "full", "moe": "fc1"},
+    "keep": {"moe": "keep"},  # less than none: the experts keep FC1's activation too
 }
 
 
@@ -88,7 +89,7 @@ def test_eager_recompute_is_bitwise(profile, mode):
     ["moe.backend=permute_free"],
     ["moe.backend=permute_free", "moe.mode=capacity", "moe.capacity_factor=0.5"],
 ], ids=["capacity", "permute_free", "permute_free-capacity"])
-@pytest.mark.parametrize("mode", ["attn", "moe", "fc1"])
+@pytest.mark.parametrize("mode", ["attn", "moe", "fc1", "keep"])
 def test_recompute_modes_and_backends(overrides, mode):
     base_steps, base_dropped = _without_recompute("tiny-qwen3-moe", tuple(overrides), 1e-2, 2)
     rec = _recomputed(_build("tiny-qwen3-moe", overrides), MODES[mode])
