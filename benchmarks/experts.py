@@ -3,8 +3,8 @@ CUDA-graphed, in TFLOP/s.
 
     python3 benchmarks/experts.py [--shapes qwen3,mixtral,deepseek-v3-64e]
         [--tokens 1024,8192,32768] [--routing uniform,skewed] [--skew 0.25]
-        [--impls permute_free,grouped_mm_baseline,permute_free_keep] [--no-graph] [--sequential] [--check]
-        [--kernels] [--out PATH]
+        [--impls permute_free,grouped_mm_baseline,permute_free_keep] [--no-graph]
+        [--sequential] [--check] [--kernels] [--out PATH]
 
 What is compared: moegraph's permute-free experts (`moegraph_cli.moe.experts.permute_free_moe`:
 the route list built on the device, FC1 + SwiGLU gathering token rows by slot, FC2, a

@@ -35,11 +35,12 @@ FORWARD_SHARE = 0.5  # the forward's share of a scope's launches
 # floor of a captured recompute is its forward's kernels at this each.
 KERNEL_MIN_US = 2.0
 RECOMPUTE_TFLOPS = 400.0
+NO_RERUN = ("none", "keep")  # the modes that re-run nothing
 
 
 def forward_flops(model: StepModel, kind: str, mode: str) -> float:
     """One scope's forward FLOPs under `mode` (0 for none and keep), for one rank's tokens."""
-    if mode in ("none", "keep"):
+    if mode in NO_RERUN:
         return 0.0
     c, run = model.prof.model, model.prof.run
     T, H = run.batch * run.seq_len, c.hidden_size
@@ -61,7 +62,7 @@ def forward_flops(model: StepModel, kind: str, mode: str) -> float:
 def recompute_ms(model: StepModel, kind: str, mode: str, captured: bool) -> float:
     """The extra time of one scope's recompute: its forward's FLOPs again, and its forward's
     launches where it runs eagerly; at least KERNEL_MIN_US for each of its kernels."""
-    if mode in ("none", "keep"):
+    if mode in NO_RERUN:
         return 0.0
     ms = forward_flops(model, kind, mode) / (RECOMPUTE_TFLOPS * 1e12) * 1e3
     kernels = 1 if mode == "fc1" else LAUNCHES.get(kind, 0) * FORWARD_SHARE
@@ -71,7 +72,7 @@ def recompute_ms(model: StepModel, kind: str, mode: str, captured: bool) -> floa
 
 def forward_launch_ms(kind: str, mode: str) -> float:
     """The launches of a recomputed forward that runs eagerly (fc1: one kernel)."""
-    if mode in ("none", "keep"):
+    if mode in NO_RERUN:
         return 0.0
     launches = 1 if mode == "fc1" else LAUNCHES.get(kind, 0) * FORWARD_SHARE
     return launches * LAUNCH_US / 1e3

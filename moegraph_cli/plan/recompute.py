@@ -39,10 +39,10 @@ def ladder(model: StepModel, request: str) -> tuple[tuple[str, ...], list[Step]]
     if request != "auto":
         forced = RECOMPUTE[request]
         return tuple(forced.get(r.kind, "none") for r in scopes), []
-    kept = [i for i, r in enumerate(scopes)
-            if r.kind == "moe" and model.kinds["moe"].keep_saved > 0]
-    base = tuple("keep" if i in set(kept) else "none" for i in range(len(scopes)))
-    steps = [Step(i, "none", 0.0) for i in kept]
+    kept = {i for i, r in enumerate(scopes)
+            if r.kind == "moe" and model.kinds["moe"].keep_saved > 0}
+    base = tuple("keep" if i in kept else "none" for i in range(len(scopes)))
+    steps = [Step(i, "none", 0.0) for i in sorted(kept)]
     stages = {"fc1": [i for i, r in enumerate(scopes) if r.kind == "moe"
                       and model.kinds["moe"].fc1_saved > 0],
               "attn": [i for i, r in enumerate(scopes) if r.kind == "attn"]}
