@@ -96,8 +96,9 @@ def written_grads(kinds: dict[str, ScopeMemory], prof: Profile, device_type: str
 def apply_calibration(model: StepModel, entry: dict) -> None:
     """Measured per-scope numbers replace the formulas; offsets absorb what the formulas miss
     (allocator rounding and fragmentation, library workspaces), measured on one layer. The
-    `keep` mode's numbers (FC1's activation, exact in the formulas) carry over: a calibration
-    measures the default mode."""
+    `fc1` and `keep` modes' numbers (the bytes of Y1 and of FC1's activation, exact in the
+    formulas) carry over, `fc1_saved` at most the measured `saved`: a calibration measures the
+    default mode, and without them a calibrated plan would lose those rungs of its ladder."""
     for kind, s in entry.get("scopes", {}).items():
         if kind not in model.kinds:
             continue
@@ -111,6 +112,7 @@ def apply_calibration(model: StepModel, entry: dict) -> None:
             param_grads=old.param_grads, saves_input=bool(s.get("saves_input", False)),
             source="calibration",
             private_pools=(int(pools[0]), int(pools[1])) if pools else None,
+            fc1_saved=min(old.fc1_saved, saved), fc1_transient=old.fc1_transient,
             keep_saved=old.keep_saved, keep_fwd_less=old.keep_fwd_less,
             keep_bwd_less=old.keep_bwd_less)
     layer = entry.get("layer_model")

@@ -329,6 +329,34 @@ def test_calibration_replaces_formulas():
     assert model.kinds["moe"].source == "analytical"
 
 
+def test_calibrated_moe_keeps_its_recompute_rungs():
+    """A calibration measures the default mode; the fc1 and keep modes' bytes (exact in the
+    formulas) carry over, so a calibrated plan's ladder keeps both rungs."""
+    from moegraph_cli.plan.recompute import ladder
+    from moegraph_cli.plan.scope_memory import recomputed
+
+    prof = load_profile("tiny-qwen3-moe")
+    formula = step_model(prof).kinds["moe"]
+    assert formula.fc1_saved > 0 and formula.keep_saved > 0
+    measured = formula.saved + 3 * U
+    entry = {"key": {}, "scopes": {"moe": {
+        "saved_bytes": measured, "out_bytes": formula.out, "fwd_peak_bytes": measured + 9 * U,
+        "bwd_peak_bytes": 7 * U, "saves_input": False}}}
+    model = step_model(prof, calibration=entry)
+    moe = model.kinds["moe"]
+    assert moe.source == "calibration"
+    assert recomputed(moe, "fc1").saved == measured - formula.fc1_saved
+    assert recomputed(moe, "fc1").bwd_transient == \
+        formula.fc1_saved + max(formula.fc1_transient, 7 * U)
+    assert recomputed(moe, "keep").saved == measured + formula.keep_saved
+    modes = [s.mode for s in ladder(model, "auto")[1]]
+    assert "fc1" in modes and "none" in modes, modes
+    # a measurement smaller than the formula's Y1 cannot free more than was measured
+    entry["scopes"]["moe"]["saved_bytes"] = formula.fc1_saved // 2
+    small = step_model(prof, calibration=entry).kinds["moe"]
+    assert recomputed(small, "fc1").saved == 0
+
+
 def test_calibrated_offsets_come_from_the_one_layer_measurement():
     prof = load_profile("tiny-qwen3-moe")
     plain = step_model(prof)
