@@ -21,6 +21,13 @@
 #   micro        benchmarks/optimizer.py and benchmarks/loss.py
 #   distributed  benchmarks/distributed.py (needs 2 GPUs; skipped with fewer)
 #   all          kernels experts whole_step capture planner micro, and distributed with 2 GPUs
+#   load         the speed-at-load table, its three stages in order (on an H200 for its goals):
+#   load_experts   experts.py --check, T = 1024 / 8192 / 32768, uniform and skewed, the default
+#                  beside permute_free_keep and permute + grouped_mm, 7 rounds
+#   load_step      whole_step.py, qwen3-30b-a3b-4layer at 4 x 4096 with run.recompute=keep (the
+#                  plan's choice where memory allows), eager and step graph by part, against
+#                  transformers eager and + torch.compile
+#   small_step     whole_step.py, tiny-qwen3-moe and qwen3-30b-a3b-4layer at 1 x 1024
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}; export OUT
@@ -47,6 +54,17 @@ command_of() {
     experts) echo "python3 benchmarks/experts.py --check --routing uniform,skewed" \
                   "--out $OUT/experts.json" ;;
     whole_step) echo "python3 benchmarks/whole_step.py --out $OUT/whole_step.json" ;;
+    load_experts) echo "python3 benchmarks/experts.py --check --shapes qwen3" \
+                       "--tokens 1024,8192,32768 --routing uniform,skewed" \
+                       "--impls permute_free,grouped_mm_baseline,permute_free_keep --rounds 7" \
+                       "--out $OUT/experts_load.json" ;;
+    load_step) echo "python3 benchmarks/whole_step.py --only qwen3-30b-a3b-4layer --ops 0" \
+                    "--kernels 12 --graph-modes step --no-verify --steps 10 --hf-timeout 100" \
+                    "--set run.batch=4 --set run.seq_len=4096 --set run.recompute=keep" \
+                    "--out $OUT/whole_step_load.json" ;;
+    small_step) echo "python3 benchmarks/whole_step.py --only tiny-qwen3-moe,qwen3-30b-a3b-4layer" \
+                     "--transformers '' --ops 0 --no-verify --steps 20" \
+                     "--out $OUT/whole_step_small.json" ;;
     capture) echo "python3 benchmarks/capture.py --out $OUT/capture.json" ;;
     families) echo "python3 benchmarks/capture.py --families --out $OUT/families.json" ;;
     planner)  # against this run's families.json where there is one, else the recorded file
@@ -71,11 +89,14 @@ for arg in "$@"; do
     for s in kernels experts whole_step capture planner micro distributed; do
       stages+=("$s$tail")
     done
+  elif [ "${arg%%:*}" = load ]; then
+    tail=""; [ "$arg" != load ] && tail=":${arg#*:}"
+    stages+=("load_experts$tail" "load_step$tail" "small_step$tail")
   else
     stages+=("$arg")
   fi
 done
-[ ${#stages[@]} -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+[ ${#stages[@]} -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 
 tests_json() {  # STAGE RC COMMAND: a test stage's record, its pytest summary line
   python3 - "$@" "$OUT/logs/$1.log" "$OUT/$1_tests.json" <<'PY'
