@@ -82,16 +82,19 @@ command_of() {
   esac
 }
 
+group_of() {  # the stages a group name stands for
+  case $1 in
+    all) echo "kernels experts whole_step capture planner micro distributed" ;;
+    load) echo "load_experts load_step small_step" ;;
+    *) return 1 ;;
+  esac
+}
+
 stages=()
 for arg in "$@"; do
-  if [ "${arg%%:*}" = all ]; then  # all:SECONDS gives each stage that limit
-    tail=""; [ "$arg" != all ] && tail=":${arg#*:}"
-    for s in kernels experts whole_step capture planner micro distributed; do
-      stages+=("$s$tail")
-    done
-  elif [ "${arg%%:*}" = load ]; then
-    tail=""; [ "$arg" != load ] && tail=":${arg#*:}"
-    stages+=("load_experts$tail" "load_step$tail" "small_step$tail")
+  if members=$(group_of "${arg%%:*}"); then  # GROUP:SECONDS gives each stage that limit
+    tail=""; [ "$arg" != "${arg%%:*}" ] && tail=":${arg#*:}"
+    for s in $members; do stages+=("$s$tail"); done
   else
     stages+=("$arg")
   fi

@@ -18,9 +18,11 @@ if not HAS_CUDA:
 # worker's torch on every core, two workers on two cores ran their CPU tests about 15% slower.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (_CORES or 1) // _WORKERS))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from machine_util import usable_cores
+
+    _THREADS = max(1, usable_cores() // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
 
 import pytest  # noqa: E402
 

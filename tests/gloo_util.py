@@ -17,6 +17,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from machine_util import usable_cores
 
 # What the ranks import; the forkserver imports them once, before it forks any rank.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
@@ -42,8 +43,7 @@ def _entry(rank: int, world: int, port: int, env: dict, fn, args) -> None:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     # The ranks share the machine's cores: one thread each beyond that many ranks, as
     # torchrun sets OMP_NUM_THREADS=1 (more threads only contend).
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // world))
+    torch.set_num_threads(max(1, usable_cores() // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
