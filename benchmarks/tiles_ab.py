@@ -3,7 +3,7 @@ process, their graph replays' rounds interleaved: a kernel change judged where i
 
     python3 benchmarks/tiles_ab.py --alt NAME:KERNEL=SPEC[,KERNEL=SPEC...] [--alt ...]
         [--tokens 8192,32768] [--routing uniform,skewed] [--skew 0.25] [--rounds 9]
-        [--out PATH]
+        [--pdl] [--forward] [--out PATH]
 
 SPEC is kernel_sweep.py's spelling of a candidate: `128x128x64x8x8x5` (a tile: bm, bn, bk,
 group, warps, stages; the default's variant kept), `+tma+persistent` (a variant: the default's
@@ -17,12 +17,14 @@ Per (T, routing), Qwen3 expert shape (E = 128, k = 8, H = 2048, F = 768; inputs 
 as benchmarks/experts.py makes them): one graph per entry of autograd.grad of the permute-free
 experts into fresh buffers (as a captured backward does): `default` (tile_configs), `twin`
 (the default again: its distance from the default is the run's resolution), each --alt, and
-`all` (every alt at once, where there are two or more). Each entry's output and four gradients
-are compared with the default's (`equal_default`: bitwise, as the variants promise). Then
-`--rounds` rounds in which every graph replays back to back for about 60 ms, each burst led by
-as long an untimed burst of the default's, the order shuffled a round (common.interleaved_ms):
-the median ms, the SM clock it ran at (NVML), TFLOP/s of useful FLOPs (3 x 2 T k H 3F) and
-the ratio to the default. The kernels' fallback is off: a variant that fails is an error.
+`all` (every alt at once, where there are two or more), and with --pdl `pdl` (the default's
+tiles, every kernel launched with programmatic dependent launch: kernels/pdl.py). Each entry's
+output and four gradients are compared with the default's (`equal_default`: bitwise, as the
+variants promise). Then `--rounds` rounds in which every graph replays back to back for about
+60 ms, each burst led by as long an untimed burst of the default's, the order shuffled a round
+(common.interleaved_ms): the median ms, the SM clock it ran at (NVML), TFLOP/s of useful FLOPs
+(3 x 2 T k H 3F; --forward: the forward alone, its output compared, 2 T k H 3F) and the ratio
+to the default. The kernels' fallback is off: a variant that fails is an error.
 
 Writes tiles_ab.json (--out; default $OUT/tiles_ab.json, else benchmarks/results/).
 """
@@ -89,6 +91,20 @@ def entries(defaults, alts: list[tuple[str, dict]]) -> dict:
     return out
 
 
+def with_pdl(fn):
+    """fn with programmatic dependent launch asked for while it runs (its warm-up calls and
+    its capture), whatever MOEGRAPH_PDL says."""
+    from moegraph_kernels import pdl
+
+    def run():
+        saved, pdl.REQUESTED = pdl.REQUESTED, True
+        try:
+            return fn()
+        finally:
+            pdl.REQUESTED = saved
+    return run
+
+
 def run_case(T, routing, alts, args) -> list[dict]:
     import torch
     from moegraph_cli.moe.experts import permute_free_moe_with_drops, tile_configs
@@ -106,14 +122,19 @@ def run_case(T, routing, alts, args) -> list[dict]:
 
         def fn(cfg=cfg):
             y = permute_free_moe_with_drops(*case, configs=cfg)[0]
+            if args.forward:
+                return [y.detach()]
             # y detached: kept with its autograd graph, the next capture's AccumulateGrad
             # nodes would meet the ones this capture's warm-up made on its side stream
             return [*torch.autograd.grad(y, leaves, dout), y.detach()]
         fns[name] = fn
+    if args.pdl:  # the default's tiles, every kernel launched with PDL (kernels/pdl.py)
+        records["pdl"] = {**records["default"], "entry": "pdl"}
+        fns["pdl"] = with_pdl(fns["default"])
     recs = graphed_ab(fns, records, args.rounds, 60)
     for rec in recs:
         if "ms" in rec:
-            rec["tflops"] = 3 * fwd_flops("qwen3", T) / rec["ms"] / 1e9
+            rec["tflops"] = (1 if args.forward else 3) * fwd_flops("qwen3", T) / rec["ms"] / 1e9
     return recs
 
 
@@ -126,6 +147,10 @@ def main() -> None:
     ap.add_argument("--routing", default="uniform,skewed", help="comma list of uniform, skewed")
     ap.add_argument("--skew", type=float, default=0.25)
     ap.add_argument("--rounds", type=int, default=9, help="timing rounds (median)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="add an entry `pdl`: the default's tiles launched with PDL")
+    ap.add_argument("--forward", action="store_true",
+                    help="time the forward alone (its output compared), not fwd+bwd")
     ap.add_argument("--out", default=str(default_out("tiles_ab.json")))
     args = ap.parse_args()
     try:
@@ -150,7 +175,9 @@ def main() -> None:
         ap.error(str(exc))
     from moegraph_kernels import gemm_launch
     gemm_launch.FALLBACK_ON_ERROR = False
-    doc = {"benchmark": "tiles_ab", **environment(), "alts": dict(alts), "records": []}
+    doc = {"benchmark": "tiles_ab", **environment(), "alts": dict(alts), "pdl": args.pdl,
+           "forward": args.forward,
+           "records": []}
     for T in tokens:
         for routing in args.routing.split(","):
             for rec in run_case(T, routing, alts, args):
