@@ -18,7 +18,8 @@ as benchmarks/experts.py makes them): one graph per entry of autograd.grad of th
 experts into fresh buffers (as a captured backward does): `default` (tile_configs), `twin`
 (the default again: its distance from the default is the run's resolution), each --alt, and
 `all` (every alt at once, where there are two or more), and with --pdl `pdl` (the default's
-tiles, every kernel launched with programmatic dependent launch: kernels/pdl.py). Each entry's
+tiles, every kernel launched with programmatic dependent launch: kernels/pdl.py; its
+dependents released early) and `pdl_late` (released at exit). Each entry's
 output and four gradients are compared with the default's (`equal_default`: bitwise, as the
 variants promise). Then `--rounds` rounds in which every graph replays back to back for about
 60 ms, each burst led by as long an untimed burst of the default's, the order shuffled a round
@@ -91,17 +92,18 @@ def entries(defaults, alts: list[tuple[str, dict]]) -> dict:
     return out
 
 
-def with_pdl(fn):
+def with_pdl(fn, trigger: int):
     """fn with programmatic dependent launch asked for while it runs (its warm-up calls and
-    its capture), whatever MOEGRAPH_PDL says."""
+    its capture), whatever MOEGRAPH_PDL says, dependents released at `trigger` (pdl.py)."""
     from moegraph_kernels import pdl
 
     def run():
-        saved, pdl.REQUESTED = pdl.REQUESTED, True
+        saved = pdl.REQUESTED, pdl.TRIGGER
+        pdl.REQUESTED, pdl.TRIGGER = True, trigger
         try:
             return fn()
         finally:
-            pdl.REQUESTED = saved
+            pdl.REQUESTED, pdl.TRIGGER = saved
     return run
 
 
@@ -129,8 +131,10 @@ def run_case(T, routing, alts, args) -> list[dict]:
             return [*torch.autograd.grad(y, leaves, dout), y.detach()]
         fns[name] = fn
     if args.pdl:  # the default's tiles, every kernel launched with PDL (kernels/pdl.py)
-        records["pdl"] = {**records["default"], "entry": "pdl"}
-        fns["pdl"] = with_pdl(fns["default"])
+        from moegraph_kernels.pdl import EARLY, LATE
+        for name, trigger in (("pdl", EARLY), ("pdl_late", LATE)):
+            records[name] = {**records["default"], "entry": name}
+            fns[name] = with_pdl(fns["default"], trigger)
     recs = graphed_ab(fns, records, args.rounds, 60)
     for rec in recs:
         if "ms" in rec:
@@ -148,7 +152,7 @@ def main() -> None:
     ap.add_argument("--skew", type=float, default=0.25)
     ap.add_argument("--rounds", type=int, default=9, help="timing rounds (median)")
     ap.add_argument("--pdl", action="store_true",
-                    help="add an entry `pdl`: the default's tiles launched with PDL")
+                    help="add entries `pdl`, `pdl_late`: the default's tiles launched with PDL")
     ap.add_argument("--forward", action="store_true",
                     help="time the forward alone (its output compared), not fwd+bwd")
     ap.add_argument("--out", default=str(default_out("tiles_ab.json")))

@@ -74,7 +74,7 @@ def gather_combine(src_SH: torch.Tensor, token_slots_TK: torch.Tensor,
         block_t, block_h, warps = 16, min(64, triton.next_power_of_2(hidden)), 1
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     has_base = base_TH is not None
-    on = pdl.enabled(src_SH.device)
+    on = pdl.mode(src_SH.device)
     _gather_combine_kernel[grid](
         src_SH, token_slots_TK, out_TH, base_TH if has_base else out_TH, num_tokens, hidden,
         src_SH.stride(0), out_TH.stride(0), base_TH.stride(0) if has_base else 0,

@@ -309,7 +309,7 @@ def fc1_swiglu_ws(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, 
     y1_desc = descriptor(y1_out, (block_m, block_n))
     act_desc = descriptor(act_out, (block_m, block_n))
     grid = (max(1, min(num_blocks * (ffn // block_n), num_programs)),)
-    on = pdl.enabled(y1_out.device)
+    on = pdl.mode(y1_out.device)
     _fc1_swiglu_ws_kernel[grid](
         x_TH, w_desc, y1_desc, act_desc, topk_weights_N, routes.slot_token, routes.slot_route,
         routes.block_expert, routes.expert_starts, routes.expert_counts, num_experts,

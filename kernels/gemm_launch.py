@@ -80,7 +80,7 @@ def build_plan(routes: RouteList, cfg: GemmConfig, n: int, device: torch.device,
         live_list = torch.empty((grid, 2, max(num_blocks, 1)), dtype=torch.int32,
                                 device=device)
     plan = Plan(use_tma, persistent, flatten, ws, grid)
-    on = pdl.enabled(device)  # programmatic dependent launch (pdl.py)
+    on = pdl.mode(device)  # programmatic dependent launch (pdl.py)
     meta = dict(USE_TMA=use_tma, PERSISTENT=persistent, FLATTEN=plan.flatten,
                 LIST_CHUNK=gc.LIST_CHUNK_WS if ws else gc.LIST_CHUNK, PDL=on,
                 **pdl.launch_options(on))

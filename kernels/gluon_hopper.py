@@ -42,6 +42,7 @@ if GLUON:
         grid's dependents released. Nothing when PDL is off."""
         if PDL:
             gdc_wait()
+        if PDL == 1:
             gdc_launch_dependents()
 
 

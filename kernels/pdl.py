@@ -35,16 +35,21 @@ except ImportError:  # pragma: no cover - an older Triton
     AVAILABLE = False
 
 REQUESTED = flag_from_env("MOEGRAPH_PDL", False)
+# Where a PDL grid releases its dependents: EARLY right after its wait (its dependents may
+# take SMs its tail leaves idle), LATE at its programs' exits (only the launch overlaps).
+EARLY, LATE = 1, 2
+TRIGGER = EARLY
 
 
-def enabled(device) -> bool:
-    """Whether launches on `device` use PDL: asked for, a CUDA sm_90+ device, compiled code
-    (not the interpreter), and a Triton with the GDC builtins."""
+def mode(device) -> int:
+    """The `PDL` constexpr of launches on `device`: 0 (plain launch) unless PDL is asked for,
+    the device is CUDA sm_90+, the code compiled (not the interpreter) and the Triton has the
+    GDC builtins; else TRIGGER."""
     if not (REQUESTED and AVAILABLE and getattr(device, "type", None) == "cuda"):
-        return False
+        return 0
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _major(device.index)
+        return 0
+    return TRIGGER if _major(device.index) else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,19 +58,20 @@ def _major(index) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch_options(on: bool) -> dict:
-    """The launch keywords of a kernel launched with PDL (`on`), else none."""
-    return {"launch_pdl": True} if on else {}
+def launch_options(pdl_mode: int) -> dict:
+    """The launch keywords of a kernel launched with PDL (a non-zero mode), else none."""
+    return {"launch_pdl": True} if pdl_mode else {}
 
 
 if AVAILABLE:
 
     @triton.jit
     def wait_prior(PDL: tl.constexpr):
-        """A PDL launch's first statement: the prior grid done and visible, then this grid's
-        dependents released. Nothing when PDL is off."""
+        """A PDL launch's first statement: the prior grid done and visible, then (EARLY) this
+        grid's dependents released. Nothing when PDL is 0."""
         if PDL:
             gdc_wait()
+        if PDL == 1:
             gdc_launch_dependents()
 
 else:  # pragma: no cover - an older Triton: PDL is never on

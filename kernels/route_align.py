@@ -320,7 +320,7 @@ def _count(ids_N, keep_N, has_keep: bool, num_experts: int):
     chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32,
                                device=ids_N.device)
     expert_counts = torch.empty(num_experts, dtype=torch.int32, device=ids_N.device)
-    on = pdl.enabled(ids_N.device)
+    on = pdl.mode(ids_N.device)
     _chunk_counts_kernel[(num_chunks,)](
         ids_N, keep_N, chunk_counts, num_routes, num_experts,
         HAS_KEEP=has_keep, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
@@ -364,7 +364,7 @@ def _build_route_list_triton(topk_ids_TK, num_experts, block_m, keep_TK, capacit
     num_dropped = torch.empty(1, **i32)
 
     has_keep = keep_TK is not None
-    on = pdl.enabled(dev)
+    on = pdl.mode(dev)
     _slot_blocks_kernel[(max(1, triton.cdiv(num_blocks, block_b)),)](
         expert_counts, expert_starts, block_expert, slot_token, slot_route, num_padded,
         num_dropped, num_blocks, num_experts, num_tokens, num_routes, block_m, seg_capacity,

@@ -50,7 +50,7 @@ def route_weight_grad(dp_part_SC: torch.Tensor, token_slots_TK: torch.Tensor,
                          f"{list(token_slots_TK.shape)} must be the same contiguous shape")
     num_routes = token_slots_TK.numel()
     block = block or (256 if dp_part_SC.is_cuda else 32)
-    on = pdl.enabled(dp_part_SC.device)
+    on = pdl.mode(dp_part_SC.device)
     _route_weight_grad_kernel[(triton.cdiv(num_routes, block),)](
         dp_part_SC, token_slots_TK, out_TK, num_routes, dp_part_SC.stride(0),
         COLS=dp_part_SC.shape[1], BLOCK=block, num_warps=4 if dp_part_SC.is_cuda else 1,

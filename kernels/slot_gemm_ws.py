@@ -228,7 +228,7 @@ def slot_gemm_ws(a_SK, w_E, block_expert, expert_starts, expert_counts, out, w_n
     w_desc = descriptor(w_E.view(-1, w_E.shape[2]), w_box)
     c_desc = descriptor(out, (block_m, block_n))
     grid = (max(1, min(num_blocks * (n // block_n), num_programs)),)
-    on = pdl.enabled(out.device)
+    on = pdl.mode(out.device)
     _slot_gemm_ws_kernel[grid](
         a_desc, w_desc, c_desc, block_expert, expert_starts, expert_counts, num_experts,
         num_blocks, n, k_dim, W_NK=w_nk,

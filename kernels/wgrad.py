@@ -283,7 +283,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     persistent = cfg.persistent and tma.persistent_available()
     LAST_WGRAD_STORE[gather_l] = (persistent, dw_desc is not None)
     grid = (min(num_tiles, tma.num_programs(l_rows.device)) if persistent else num_tiles,)
-    on = pdl.enabled(l_rows.device)
+    on = pdl.mode(l_rows.device)
 
     def launch(c):
         _expert_wgrad_kernel[grid](

@@ -220,7 +220,7 @@ def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, nu
     dw_desc = descriptor(out_EMN.view(num_experts * m, n), (block_m, block_n))
     num_tiles = num_experts * (m // block_m) * (n // block_n)
     grid = (min(num_tiles, num_programs),)
-    on = pdl.enabled(out_EMN.device)
+    on = pdl.mode(out_EMN.device)
     _wgrad_ws_kernel[grid](
         s_desc, g_rows, dw_desc, slot_token, expert_starts, expert_counts, m, n,
         num_tokens, num_slots, num_tiles, g_rows.stride(0),

@@ -12,14 +12,14 @@ from moegraph_kernels import pdl
 
 def test_never_on_the_cpu_or_in_the_interpreter(monkeypatch):
     monkeypatch.setattr(pdl, "REQUESTED", True)
-    assert not pdl.enabled(torch.device("cpu"))
+    assert not pdl.mode(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not pdl.enabled(torch.device("cuda", 0))
+    assert not pdl.mode(torch.device("cuda", 0))
 
 
 def test_off_unless_asked_for(monkeypatch):
     monkeypatch.setattr(pdl, "REQUESTED", False)
-    assert not pdl.enabled(torch.device("cuda", 0))
+    assert not pdl.mode(torch.device("cuda", 0))
     assert pdl.launch_options(False) == {}
     assert pdl.launch_options(True) == {"launch_pdl": True}
 
