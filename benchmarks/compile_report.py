@@ -6,7 +6,7 @@ a Triton release that can no longer build one of the product's kernels for Hoppe
 launcher would warn and fall back to the pointer path) is seen without a GPU.
 
     python3 benchmarks/compile_report.py KERNEL [--spec SPEC ...] [--tokens 8192[,T...]]
-        [--pdl] [--json] [--out PATH]
+        [--json] [--out PATH]
 
 KERNEL: fc1, fc2, dx, dact, wgrad_down, wgrad_gate_up, or `all` (each of them at the
 product's config), at the Qwen3 expert shape (E = 128, k = 8, H = 2048, F = 768, bf16). SPEC
@@ -19,9 +19,7 @@ from ptxas -v) and the shared buffers as shape x dtype; --spec repeats (an empty
 product's), --tokens takes a list, and --out writes every record into one results document
 (common.environment: no GPU, the torch and Triton versions, the commit, the date). The
 compile takes the product's launch keywords (GemmConfig.launch_options). Needs the Triton
-wheel's NVIDIA backend (ptxas), no GPU. Exit 1 when any config fails to compile. --pdl
-compiles each kernel as a programmatic dependent launch makes it (kernels/pdl.py: PDL=True,
-`launch_pdl`); each record's `pdl` says whether the PTX holds the grid-dependency wait.
+wheel's NVIDIA backend (ptxas), no GPU. Exit 1 when any config fails to compile.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ import sys
 
 E, TOP_K, H, F = 128, 8, 2048, 768
 KERNELS = ("fc1", "fc2", "dx", "dact", "wgrad_down", "wgrad_gate_up")
-PDL = False  # --pdl: every kernel as launched with programmatic dependent launch
 ROUTE_PTRS = ("slot_token_ptr", "slot_route_ptr", "block_expert_ptr", "live_list_ptr",
               "expert_counts_ptr", "expert_starts_ptr", "expert_start_ptr",
               "expert_count_ptr")
@@ -193,8 +190,6 @@ def _source(fn, consts: dict, types: dict, odd=()):
     says otherwise, other scalars int32; every pointer and int (but `odd`) 16-divisible, as
     the launch's own specialization would find them."""
     from triton.compiler import ASTSource
-    if "PDL" in fn.arg_names:  # a constexpr: False as the plain launch passes it
-        consts = dict(consts, PDL=PDL)
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     sig, attrs = {}, {}
@@ -227,14 +222,12 @@ def report(src, cfg) -> dict:
     out = {"triton": triton.__version__, "arch": "sm_90a", "tile": list(cfg[:6]),
            "variant": cfg.variant}
     try:
-        options = dict(cfg.launch_options(), **({"launch_pdl": True} if PDL else {}))
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=options)  # the product's launch keywords
+                           options=cfg.launch_options())  # the product's launch keywords
     except Exception as exc:  # noqa: BLE001 - a config that does not compile: its first line
         lines = [ln for ln in str(exc).splitlines() if "error:" in ln] or str(exc).splitlines()
         return {**out, "error": f"{type(exc).__name__}: {lines[0].strip()[:300] if lines else ''}"}
     out["shared_bytes"] = k.metadata.shared
-    out["pdl"] = "griddepcontrol.wait" in k.asm["ptx"]  # the PDL launch's wait, compiled in
     out["buffers"] = [f"{shape} {dtype}" for shape, dtype in re.findall(
         r"ttg\.local_alloc[^:\n]*: \(\) -> !ttg\.memdesc<([0-9x]+)x(\w+)", k.asm["ttgir"])]
     from triton.backends.nvidia.compiler import get_ptxas
@@ -273,15 +266,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=_tokens, default=[8192],
                     help="T[,T...], each setting the product's tiles (default 8192)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--pdl", action="store_true",
-                    help="compile as launched with programmatic dependent launch (PDL=True)")
     ap.add_argument("--out", default=None, help="write the records into one JSON document")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("benchmarks/compile_report.py: unset TRITON_INTERPRET (it compiles for a GPU)")
     kernels = KERNELS if args.kernel == "all" else (args.kernel,)
-    global PDL
-    PDL = args.pdl
     if args.kernel == "all" and any(args.spec or []):
         ap.error("--spec applies to one KERNEL, not all")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

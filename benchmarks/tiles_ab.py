@@ -3,7 +3,7 @@ process, their graph replays' rounds interleaved: a kernel change judged where i
 
     python3 benchmarks/tiles_ab.py --alt NAME:KERNEL=SPEC[,KERNEL=SPEC...] [--alt ...]
         [--tokens 8192,32768] [--routing uniform,skewed] [--skew 0.25] [--rounds 9]
-        [--pdl] [--forward] [--out PATH]
+        [--forward] [--out PATH]
 
 SPEC is kernel_sweep.py's spelling of a candidate: `128x128x64x8x8x5` (a tile: bm, bn, bk,
 group, warps, stages; the default's variant kept), `+tma+persistent` (a variant: the default's
@@ -17,15 +17,13 @@ Per (T, routing), Qwen3 expert shape (E = 128, k = 8, H = 2048, F = 768; inputs 
 as benchmarks/experts.py makes them): one graph per entry of autograd.grad of the permute-free
 experts into fresh buffers (as a captured backward does): `default` (tile_configs), `twin`
 (the default again: its distance from the default is the run's resolution), each --alt, and
-`all` (every alt at once, where there are two or more), and with --pdl `pdl` (the default's
-tiles, every kernel launched with programmatic dependent launch: kernels/pdl.py; its
-dependents released early) and `pdl_late` (released at exit). Each entry's
-output and four gradients are compared with the default's (`equal_default`: bitwise, as the
-variants promise). Then `--rounds` rounds in which every graph replays back to back for about
-60 ms, each burst led by as long an untimed burst of the default's, the order shuffled a round
-(common.interleaved_ms): the median ms, the SM clock it ran at (NVML), TFLOP/s of useful FLOPs
-(3 x 2 T k H 3F; --forward: the forward alone, its output compared, 2 T k H 3F) and the ratio
-to the default. The kernels' fallback is off: a variant that fails is an error.
+`all` (every alt at once, where there are two or more). Each entry's output and four gradients
+are compared with the default's (`equal_default`: bitwise, as the variants promise). Then
+`--rounds` rounds in which every graph replays back to back for about 60 ms, each burst led by
+as long an untimed burst of the default's, the order shuffled a round (common.interleaved_ms):
+the median ms, the SM clock it ran at (NVML), TFLOP/s of useful FLOPs (3 x 2 T k H 3F;
+--forward: the forward alone, its output compared, 2 T k H 3F) and the ratio to the default.
+The kernels' fallback is off: a variant that fails is an error.
 
 Writes tiles_ab.json (--out; default $OUT/tiles_ab.json, else benchmarks/results/).
 """
@@ -92,21 +90,6 @@ def entries(defaults, alts: list[tuple[str, dict]]) -> dict:
     return out
 
 
-def with_pdl(fn, trigger: int):
-    """fn with programmatic dependent launch asked for while it runs (its warm-up calls and
-    its capture), whatever MOEGRAPH_PDL says, dependents released at `trigger` (pdl.py)."""
-    from moegraph_kernels import pdl
-
-    def run():
-        saved = pdl.REQUESTED, pdl.TRIGGER
-        pdl.REQUESTED, pdl.TRIGGER = True, trigger
-        try:
-            return fn()
-        finally:
-            pdl.REQUESTED, pdl.TRIGGER = saved
-    return run
-
-
 def run_case(T, routing, alts, args) -> list[dict]:
     import torch
     from moegraph_cli.moe.experts import permute_free_moe_with_drops, tile_configs
@@ -130,11 +113,6 @@ def run_case(T, routing, alts, args) -> list[dict]:
             # nodes would meet the ones this capture's warm-up made on its side stream
             return [*torch.autograd.grad(y, leaves, dout), y.detach()]
         fns[name] = fn
-    if args.pdl:  # the default's tiles, every kernel launched with PDL (kernels/pdl.py)
-        from moegraph_kernels.pdl import EARLY, LATE
-        for name, trigger in (("pdl", EARLY), ("pdl_late", LATE)):
-            records[name] = {**records["default"], "entry": name}
-            fns[name] = with_pdl(fns["default"], trigger)
     recs = graphed_ab(fns, records, args.rounds, 60)
     for rec in recs:
         if "ms" in rec:
@@ -151,8 +129,6 @@ def main() -> None:
     ap.add_argument("--routing", default="uniform,skewed", help="comma list of uniform, skewed")
     ap.add_argument("--skew", type=float, default=0.25)
     ap.add_argument("--rounds", type=int, default=9, help="timing rounds (median)")
-    ap.add_argument("--pdl", action="store_true",
-                    help="add entries `pdl`, `pdl_late`: the default's tiles launched with PDL")
     ap.add_argument("--forward", action="store_true",
                     help="time the forward alone (its output compared), not fwd+bwd")
     ap.add_argument("--out", default=str(default_out("tiles_ab.json")))
@@ -179,9 +155,8 @@ def main() -> None:
         ap.error(str(exc))
     from moegraph_kernels import gemm_launch
     gemm_launch.FALLBACK_ON_ERROR = False
-    doc = {"benchmark": "tiles_ab", **environment(), "alts": dict(alts), "pdl": args.pdl,
-           "forward": args.forward,
-           "records": []}
+    doc = {"benchmark": "tiles_ab", **environment(), "alts": dict(alts),
+           "forward": args.forward, "records": []}
     for T in tokens:
         for routing in args.routing.split(","):
             for rec in run_case(T, routing, alts, args):

@@ -19,10 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
 from .env import ints_from_env
 from .fp_fusion import FUSED
-from .pdl import wait_prior
 
 
 # A tile chosen by benchmarks/combine_sweep.py, (block_t, block_h, warps): from
@@ -35,9 +33,7 @@ def _gather_combine_kernel(
     src_ptr, token_slots_ptr, out_ptr, base_ptr,
     num_tokens, hidden, stride_src, stride_out, stride_base,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BASE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_prior(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = offs_t < num_tokens
@@ -74,10 +70,9 @@ def gather_combine(src_SH: torch.Tensor, token_slots_TK: torch.Tensor,
         block_t, block_h, warps = 16, min(64, triton.next_power_of_2(hidden)), 1
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     has_base = base_TH is not None
-    on = pdl.mode(src_SH.device)
     _gather_combine_kernel[grid](
         src_SH, token_slots_TK, out_TH, base_TH if has_base else out_TH, num_tokens, hidden,
         src_SH.stride(0), out_TH.stride(0), base_TH.stride(0) if has_base else 0,
         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, HAS_BASE=has_base, num_warps=warps,
-        enable_fp_fusion=FUSED, PDL=on, **pdl.launch_options(on))
+        enable_fp_fusion=FUSED)
     return out_TH

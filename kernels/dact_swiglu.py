@@ -29,7 +29,6 @@ from . import tma
 from .gated_act import gated_backward, gated_forward
 from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, dact_config
-from .pdl import wait_prior
 from .route_align import RouteList
 from .slot_schedule import (live_block_list, persistent_tile, program_tile,
                             store_zero_gated_rows)
@@ -161,9 +160,7 @@ def _dact_swiglu_kernel(
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, CLAMPED: tl.constexpr, TAIL: tl.constexpr,
     PAIRED: tl.constexpr, FAST_ACT: tl.constexpr, STORE_ACT: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_prior(PDL)
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
     if PERSISTENT:

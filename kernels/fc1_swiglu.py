@@ -34,7 +34,6 @@ from .fp_fusion import FUSED
 from .gated_act import gated_forward
 from .gathered_loop import gathered_k_loop
 from .gemm_config import GemmConfig, fc1_config, splits_tail
-from .pdl import wait_prior
 from .route_align import RouteList
 from .slot_schedule import live_block_list, persistent_tile, program_tile, store_zero_gated_rows
 
@@ -117,9 +116,7 @@ def _fc1_swiglu_kernel(
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
     TAIL: tl.constexpr, Y_TMA: tl.constexpr, PAIRED: tl.constexpr, FAST_ACT: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_prior(PDL)
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(ffn, BLOCK_N)
     if PERSISTENT:

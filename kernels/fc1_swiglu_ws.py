@@ -35,15 +35,14 @@ kernel otherwise.
 
 from __future__ import annotations
 
-from . import pdl
 from .fp_fusion import FUSED
 from .gated_act import EX2_FTZ, NEG_LOG2E, RCP_FTZ
 from .gluon_hopper import GL_DTYPES, GLUON, descriptor, rows_aligned
 
 if GLUON:
     from .gluon_hopper import (async_copy, await_gathered_stage, cp_async, fence_async_shared, gl,
-                               gluon, mbarrier, tma, tma_load, tma_store, wait_prior_grid,
-                               warpgroup_mma, warpgroup_mma_wait)
+                               gluon, mbarrier, tma, tma_load, tma_store, warpgroup_mma,
+                               warpgroup_mma_wait)
     from .slot_gemm_ws import _live_blocks, _next_tile, _tile_of
 
 
@@ -241,8 +240,7 @@ if GLUON:
                               GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                               PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                               EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
-                              num_warps: gl.constexpr, PDL: gl.constexpr = False):
-        wait_prior_grid(PDL)
+                              num_warps: gl.constexpr):
         dtype: gl.constexpr = w_desc.dtype
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
@@ -309,11 +307,9 @@ def fc1_swiglu_ws(x_TH, w_gate_up_EFH, topk_weights_N, routes, y1_out, act_out, 
     y1_desc = descriptor(y1_out, (block_m, block_n))
     act_desc = descriptor(act_out, (block_m, block_n))
     grid = (max(1, min(num_blocks * (ffn // block_n), num_programs)),)
-    on = pdl.mode(y1_out.device)
     _fc1_swiglu_ws_kernel[grid](
         x_TH, w_desc, y1_desc, act_desc, topk_weights_N, routes.slot_token, routes.slot_route,
         routes.block_expert, routes.expert_starts, routes.expert_counts, num_experts,
         num_blocks, num_tokens, topk_weights_N.numel(), ffn, hidden, x_TH.stride(0),
-        **launch_constants(block_m, block_n, block_k, group_m, stages), enable_fp_fusion=FUSED,
-        PDL=on, **pdl.launch_options(on))
+        **launch_constants(block_m, block_n, block_k, group_m, stages), enable_fp_fusion=FUSED)
     return grid[0]

@@ -26,7 +26,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from . import gemm_config as gc
-from . import pdl, tma
+from . import tma
 from .gemm_config import GemmConfig, splits_tail, tail_config
 from .route_align import RouteList
 from .slot_schedule import tail_grid
@@ -80,10 +80,8 @@ def build_plan(routes: RouteList, cfg: GemmConfig, n: int, device: torch.device,
         live_list = torch.empty((grid, 2, max(num_blocks, 1)), dtype=torch.int32,
                                 device=device)
     plan = Plan(use_tma, persistent, flatten, ws, grid)
-    on = pdl.mode(device)  # programmatic dependent launch (pdl.py)
     meta = dict(USE_TMA=use_tma, PERSISTENT=persistent, FLATTEN=plan.flatten,
-                LIST_CHUNK=gc.LIST_CHUNK_WS if ws else gc.LIST_CHUNK, PDL=on,
-                **pdl.launch_options(on))
+                LIST_CHUNK=gc.LIST_CHUNK_WS if ws else gc.LIST_CHUNK)
     return (grid,), live_list, meta, plan
 
 

@@ -20,7 +20,6 @@ try:  # Gluon: Triton >= 3.5 (the names used here are in 3.6 and 3.9)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     GLUON = True
 except ImportError:  # pragma: no cover - an older Triton
     GLUON = False
@@ -35,15 +34,6 @@ if GLUON:
         mbarrier.wait(ready_tma.index(stage), phase)
         mbarrier.wait(ready_cp.index(stage), phase)
         fence_async_shared()
-
-    @gluon.jit
-    def wait_prior_grid(PDL: gl.constexpr):
-        """pdl.wait_prior for the Gluon kernels: the prior grid done and visible, then this
-        grid's dependents released. Nothing when PDL is off."""
-        if PDL:
-            gdc_wait()
-        if PDL == 1:
-            gdc_launch_dependents()
 
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if GLUON else {}

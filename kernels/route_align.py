@@ -58,9 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
 from .fp_fusion import FUSED
-from .pdl import wait_prior
 
 IMPLS = ("auto", "triton", "reference")
 
@@ -191,9 +189,7 @@ def _route_keys(ids_ptr, keep_ptr, offs, num_routes, num_experts, HAS_KEEP: tl.c
 
 @triton.jit
 def _chunk_counts_kernel(ids_ptr, keep_ptr, chunk_counts_ptr, num_routes, num_experts,
-                         HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    wait_prior(PDL)
+                         HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
     offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     key = _route_keys(ids_ptr, keep_ptr, offs, num_routes, num_experts, HAS_KEEP)
@@ -205,8 +201,7 @@ def _chunk_counts_kernel(ids_ptr, keep_ptr, chunk_counts_ptr, num_routes, num_ex
 
 @triton.jit
 def _chunk_bases_kernel(chunk_counts_ptr, expert_counts_ptr, num_chunks, num_experts,
-                        BLOCK_C: tl.constexpr, BLOCK_EG: tl.constexpr, PDL: tl.constexpr = False):
-    wait_prior(PDL)
+                        BLOCK_C: tl.constexpr, BLOCK_EG: tl.constexpr):
     experts = tl.program_id(0) * BLOCK_EG + tl.arange(0, BLOCK_EG)
     e_ok = experts < num_experts
     carry = tl.zeros((BLOCK_EG,), dtype=tl.int32)
@@ -242,8 +237,7 @@ def _slot_blocks_kernel(expert_counts_ptr, expert_starts_ptr, block_expert_ptr,
                         slot_token_ptr, slot_route_ptr, num_padded_ptr, num_dropped_ptr,
                         num_blocks, num_experts, num_tokens, num_routes, block_m, seg_capacity,
                         CAPACITY: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
-    wait_prior(PDL)
+                        BLOCK_E: tl.constexpr):
     experts, counts, padded, starts, ends = _segments(
         expert_counts_ptr, num_experts, block_m, seg_capacity, CAPACITY, BLOCK_E)
     e_ok = experts < num_experts
@@ -279,8 +273,7 @@ def _slot_blocks_kernel(expert_counts_ptr, expert_starts_ptr, block_expert_ptr,
 def _place_routes_kernel(ids_ptr, keep_ptr, chunk_bases_ptr, expert_starts_ptr,
                          slot_token_ptr, slot_route_ptr, token_slots_ptr,
                          num_routes, num_experts, num_slots, top_k,
-                         HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
-    wait_prior(PDL)
+                         HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr):
     chunk = tl.program_id(0)
     lanes = tl.arange(0, BLOCK_N)
     offs = chunk * BLOCK_N + lanes
@@ -320,15 +313,13 @@ def _count(ids_N, keep_N, has_keep: bool, num_experts: int):
     chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32,
                                device=ids_N.device)
     expert_counts = torch.empty(num_experts, dtype=torch.int32, device=ids_N.device)
-    on = pdl.mode(ids_N.device)
     _chunk_counts_kernel[(num_chunks,)](
         ids_N, keep_N, chunk_counts, num_routes, num_experts,
         HAS_KEEP=has_keep, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
-        enable_fp_fusion=FUSED, PDL=on, **pdl.launch_options(on))
+        enable_fp_fusion=FUSED)
     _chunk_bases_kernel[(triton.cdiv(num_experts, block_eg),)](
         chunk_counts, expert_counts, num_chunks, num_experts,
-        BLOCK_C=block_c, BLOCK_EG=block_eg, num_warps=scan_warps, enable_fp_fusion=FUSED,
-        PDL=on, **pdl.launch_options(on))
+        BLOCK_C=block_c, BLOCK_EG=block_eg, num_warps=scan_warps, enable_fp_fusion=FUSED)
     return chunk_counts, expert_counts
 
 
@@ -364,18 +355,16 @@ def _build_route_list_triton(topk_ids_TK, num_experts, block_m, keep_TK, capacit
     num_dropped = torch.empty(1, **i32)
 
     has_keep = keep_TK is not None
-    on = pdl.mode(dev)
     _slot_blocks_kernel[(max(1, triton.cdiv(num_blocks, block_b)),)](
         expert_counts, expert_starts, block_expert, slot_token, slot_route, num_padded,
         num_dropped, num_blocks, num_experts, num_tokens, num_routes, block_m, seg_capacity,
         CAPACITY=capacity is not None, BLOCK_B=block_b,
         BLOCK_M=triton.next_power_of_2(block_m), BLOCK_E=block_e, num_warps=warps,
-        enable_fp_fusion=FUSED, PDL=on, **pdl.launch_options(on))
+        enable_fp_fusion=FUSED)
     _place_routes_kernel[(num_chunks,)](
         ids_N, keep_N, chunk_counts, expert_starts, slot_token, slot_route, token_slots,
         num_routes, num_experts, S, top_k,
-        HAS_KEEP=has_keep, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=FUSED,
-        PDL=on, **pdl.launch_options(on))
+        HAS_KEEP=has_keep, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=FUSED)
 
     return RouteList(
         slot_token=slot_token,

@@ -17,15 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
 from .fp_fusion import FUSED
-from .pdl import wait_prior
 
 
 @triton.jit
 def _route_weight_grad_kernel(dp_ptr, token_slots_ptr, out_ptr, num_routes, stride_dp,
-                              COLS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_prior(PDL)
+                              COLS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_routes
     slot = tl.load(token_slots_ptr + offs, mask=ok, other=-1)
@@ -50,11 +47,10 @@ def route_weight_grad(dp_part_SC: torch.Tensor, token_slots_TK: torch.Tensor,
                          f"{list(token_slots_TK.shape)} must be the same contiguous shape")
     num_routes = token_slots_TK.numel()
     block = block or (256 if dp_part_SC.is_cuda else 32)
-    on = pdl.mode(dp_part_SC.device)
     _route_weight_grad_kernel[(triton.cdiv(num_routes, block),)](
         dp_part_SC, token_slots_TK, out_TK, num_routes, dp_part_SC.stride(0),
         COLS=dp_part_SC.shape[1], BLOCK=block, num_warps=4 if dp_part_SC.is_cuda else 1,
-        enable_fp_fusion=FUSED, PDL=on, **pdl.launch_options(on))
+        enable_fp_fusion=FUSED)
     return out_TK
 
 

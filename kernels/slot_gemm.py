@@ -18,7 +18,6 @@ from . import gemm_launch as gl
 from . import gluon_hopper, slot_gemm_ws, tma
 from .fp_fusion import FUSED
 from .gemm_config import GemmConfig, slot_gemm_config, splits_tail
-from .pdl import wait_prior
 from .route_align import RouteList
 from .slot_schedule import live_block_list, persistent_tile, program_tile, store_zero_rows
 
@@ -90,9 +89,7 @@ def _slot_gemm_kernel(
     USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, LIST_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
     TAIL: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_prior(PDL)
     num_blocks = num_slots // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:

@@ -27,14 +27,13 @@ and where Gluon or a Hopper GPU is missing (gluon_hopper.available).
 
 from __future__ import annotations
 
-from . import pdl
 from .fp_fusion import FUSED
 from .gluon_hopper import GL_DTYPES, GLUON, descriptor, rows_aligned
 from .slot_schedule import grouped_pid
 
 if GLUON:
     from .gluon_hopper import (fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
-                               tma_store, wait_prior_grid, warpgroup_mma, warpgroup_mma_wait)
+                               tma_store, warpgroup_mma, warpgroup_mma_wait)
 
 
 # The launch's partitions: the default one (the two consumer warpgroups) and the producer,
@@ -168,9 +167,7 @@ if GLUON:
                              W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                              STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                             PDL: gl.constexpr = False):
-        wait_prior_grid(PDL)
+                             PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape,
                                            a_desc.layout)
@@ -228,10 +225,8 @@ def slot_gemm_ws(a_SK, w_E, block_expert, expert_starts, expert_counts, out, w_n
     w_desc = descriptor(w_E.view(-1, w_E.shape[2]), w_box)
     c_desc = descriptor(out, (block_m, block_n))
     grid = (max(1, min(num_blocks * (n // block_n), num_programs)),)
-    on = pdl.mode(out.device)
     _slot_gemm_ws_kernel[grid](
         a_desc, w_desc, c_desc, block_expert, expert_starts, expert_counts, num_experts,
         num_blocks, n, k_dim, W_NK=w_nk,
-        **launch_constants(block_m, block_n, block_k, group_m, stages), enable_fp_fusion=FUSED,
-        PDL=on, **pdl.launch_options(on))
+        **launch_constants(block_m, block_n, block_k, group_m, stages), enable_fp_fusion=FUSED)
     return grid[0]

@@ -48,12 +48,11 @@ import triton
 import triton.language as tl
 
 from . import gemm_launch as gl
-from . import pdl, tma
+from . import tma
 from . import wgrad_ws
 from .env import flag_from_env
 from .fp_fusion import FUSED
 from .gemm_config import GemmConfig, tile_from_env
-from .pdl import wait_prior
 from .route_align import RouteList
 from .slot_schedule import grouped_pid
 
@@ -238,9 +237,7 @@ def _expert_wgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PADDED: tl.constexpr, L_TMA: tl.constexpr, R_TMA: tl.constexpr,
     OUT_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_prior(PDL)
     if PERSISTENT:
         # One program an SM walks the tiles in the same order; the K loop inside stays the
         # one-tile loop (pipelined alone), so every tile sums the same terms in the same order.
@@ -283,7 +280,6 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
     persistent = cfg.persistent and tma.persistent_available()
     LAST_WGRAD_STORE[gather_l] = (persistent, dw_desc is not None)
     grid = (min(num_tiles, tma.num_programs(l_rows.device)) if persistent else num_tiles,)
-    on = pdl.mode(l_rows.device)
 
     def launch(c):
         _expert_wgrad_kernel[grid](
@@ -295,8 +291,7 @@ def expert_wgrad(l_rows, r_rows, routes: RouteList, out_EMN, gather_l: bool, gat
             out_EMN.stride(1), GATHER_L=gather_l, GATHER_R=gather_r, ACCUMULATE=accumulate,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             PADDED=padded, L_TMA=l_desc is not None, R_TMA=r_desc is not None,
-            OUT_TMA=dw_desc is not None, PERSISTENT=persistent, PDL=on,
-            **pdl.launch_options(on), **c.launch_options())
+            OUT_TMA=dw_desc is not None, PERSISTENT=persistent, **c.launch_options())
 
     if not l_rows.is_cuda:
         launch(cfg)

@@ -27,15 +27,14 @@ can run; the launcher (wgrad.expert_wgrad) falls back to the Triton kernel other
 
 from __future__ import annotations
 
-from . import pdl
 from .fp_fusion import FUSED
 from .gluon_hopper import GL_DTYPES, GLUON, available, descriptor, rows_aligned  # noqa: F401
 from .slot_schedule import grouped_pid
 
 if GLUON:
     from .gluon_hopper import (async_copy, await_gathered_stage, cp_async, fence_async_shared, gl,
-                               gluon, mbarrier, tma, tma_load, tma_store, wait_prior_grid,
-                               warpgroup_mma, warpgroup_mma_wait)
+                               gluon, mbarrier, tma, tma_load, tma_store, warpgroup_mma,
+                               warpgroup_mma_wait)
 
 
 # The launch's partitions: the default one (the two consumer warpgroups) and the producer,
@@ -164,8 +163,7 @@ if GLUON:
                          GATHER_L: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         num_warps: gl.constexpr, PDL: gl.constexpr = False):
-        wait_prior_grid(PDL)
+                         num_warps: gl.constexpr):
         dtype: gl.constexpr = s_desc.dtype
         G_COLS: gl.constexpr = BLOCK_M if GATHER_L else BLOCK_N
         s_bufs = gl.allocate_shared_memory(dtype, [STAGES] + s_desc.block_type.shape,
@@ -220,11 +218,10 @@ def expert_wgrad_ws(l_rows, r_rows, slot_token, expert_starts, expert_counts, nu
     dw_desc = descriptor(out_EMN.view(num_experts * m, n), (block_m, block_n))
     num_tiles = num_experts * (m // block_m) * (n // block_n)
     grid = (min(num_tiles, num_programs),)
-    on = pdl.mode(out_EMN.device)
     _wgrad_ws_kernel[grid](
         s_desc, g_rows, dw_desc, slot_token, expert_starts, expert_counts, m, n,
         num_tokens, num_slots, num_tiles, g_rows.stride(0),
         GATHER_L=gather_l, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         STAGES=stages, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=CONSUMER_WARPS, enable_fp_fusion=FUSED, PDL=on, **pdl.launch_options(on))
+        num_warps=CONSUMER_WARPS, enable_fp_fusion=FUSED)
     return out_EMN

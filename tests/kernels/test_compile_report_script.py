@@ -43,7 +43,6 @@ def test_every_product_expert_kernel_compiles_for_hopper():
     for doc in docs:
         assert "error" not in doc and 0 < doc["registers"] <= 255, doc
         assert doc["spill_store_bytes"] >= 0 and doc["shared_bytes"] > 0, doc
-        assert doc["pdl"] is False, doc  # a plain launch compiles no grid-dependency wait
     # The variants the product picks at 128-row blocks, each seen in what was lowered.
     # FC1 at 128-row blocks: the Triton kernel's [2, BN, BK] gate/up box (the warp-specialized
     # Gluon kernel only under MOEGRAPH_FC1_WS=1: test_the_gluon_fc1_compiles_for_hopper).
@@ -65,21 +64,6 @@ def test_every_product_expert_kernel_compiles_for_hopper():
     # The product's launch keywords name the contraction (kernels/fp_fusion.py): Triton 3.9
     # warns of an unset one, and these compiles go through those keywords.
     assert "FP_FUSION" not in out.stderr, out.stderr[-2000:]
-
-
-@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no NVIDIA backend / ptxas")
-def test_every_expert_kernel_compiles_as_a_dependent_launch():
-    """With programmatic dependent launch (kernels/pdl.py) each expert kernel, Triton and
-    Gluon, holds the grid-dependency wait and compiles with the registers and spills of its
-    plain launch: the wait sits before the kernel's first load and costs nothing else."""
-    plain, pdl = ([json.loads(line) for line in _run("all", "--tokens", "8192", *extra,
-                                                     "--json").stdout.strip().splitlines()]
-                  for extra in ((), ("--pdl",)))
-    assert [d["kernel"] for d in pdl] == [d["kernel"] for d in plain] and len(pdl) == 6
-    for a, b in zip(plain, pdl):
-        assert "error" not in b and b["pdl"] is True and a["pdl"] is False, (a, b)
-        assert (b["registers"], b["spill_store_bytes"], b["shared_bytes"]) == \
-            (a["registers"], a["spill_store_bytes"], a["shared_bytes"]), (a, b)
 
 
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no NVIDIA backend / ptxas")
