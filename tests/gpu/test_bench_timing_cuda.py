@@ -83,11 +83,21 @@ def test_tiles_ab_entries_equal_and_timed(monkeypatch):
     monkeypatch.setattr(gl, "FALLBACK_ON_ERROR", False)
     alts = [tiles_ab.parse_alt("dxp:dx=+tma+persistent"),
             tiles_ab.parse_alt("dact5:dact=64x128x64x8x4x5")]
-    recs = tiles_ab.run_case(512, "skewed", alts, argparse.Namespace(skew=0.25, rounds=2))
+    args = argparse.Namespace(skew=0.25, rounds=2, forward=False)
+    recs = tiles_ab.run_case(512, "skewed", alts, args)
     assert [r["entry"] for r in recs] == ["default", "twin", "dxp", "dact5", "all"]
     for r in recs:
         assert "error" not in r and r["equal_default"] and r["ms"] > 0, r
     assert recs[0]["ratio_to_default"] == 1.0
+    # --forward: the forward alone, its output compared; a third of fwd+bwd's FLOPs
+    fwd = tiles_ab.run_case(512, "skewed", alts[:1], argparse.Namespace(
+        skew=0.25, rounds=2, forward=True))
+    assert [r["entry"] for r in fwd] == ["default", "twin", "dxp"]
+    for r in fwd:
+        assert "error" not in r and r["equal_default"] and r["ms"] > 0, r
+    assert fwd[0]["ms"] < recs[0]["ms"]
+    assert fwd[0]["tflops"] == pytest.approx(recs[0]["tflops"] * recs[0]["ms"] / fwd[0]["ms"]
+                                             / 3)
 
 
 def test_elementwise_ab_group_equal_and_timed(monkeypatch):
