@@ -54,6 +54,25 @@ def _entry(rank: int, world: int, port: int, env: dict, fn, args) -> None:
 
 def run_gloo(fn, world: int, *args) -> None:
     """fn(rank, world, *args) in `world` processes; fn and args must be picklable (a
-    module-level function)."""
-    mp.start_processes(_entry, args=(world, free_port(), dict(os.environ), fn, args),
-                       nprocs=world, join=True, start_method="forkserver")
+    module-level function). free_port's port is free when asked, not when rank 0 binds it:
+    another process (the other pytest worker's groups) may take it in between. Rank 0 then
+    fails to listen (EADDRINUSE) before fn runs anywhere, and the call is made again on a
+    new port, up to ATTEMPTS times."""
+    for attempt in range(ATTEMPTS):
+        try:
+            mp.start_processes(_entry, args=(world, free_port(), dict(os.environ), fn, args),
+                               nprocs=world, join=True, start_method="forkserver")
+            return
+        except mp.ProcessRaisedException as exc:
+            if not _port_taken(exc) or attempt == ATTEMPTS - 1:
+                raise
+
+
+ATTEMPTS = 3
+
+
+def _port_taken(exc: Exception) -> bool:
+    """Whether a rank failed because its process group's port was taken (the store's
+    listen in init_process_group), not in fn."""
+    text = str(exc)
+    return "EADDRINUSE" in text and "init_process_group" in text
