@@ -31,13 +31,8 @@ if __name__ == "kernels":
     _hand_over()
     del _hand_over
 else:
-    def _interpreter_compat():
-        """Under TRITON_INTERPRET (set before Triton decorates a kernel), give Triton 3.6's
-        interpreter NumPy 2.4's scalar conversion (interpreter_compat.py)."""
-        import os
-        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-            from .interpreter_compat import apply
-            apply()
+    from .env import interpreting as _interpreting
 
-    _interpreter_compat()
-    del _interpreter_compat
+    if _interpreting():  # Triton 3.6's interpreter under NumPy 2.4 (interpreter_compat.py)
+        from .interpreter_compat import apply as _apply
+        _apply()

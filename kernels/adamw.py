@@ -65,11 +65,11 @@ Values in fp32, b1 = fp32(beta1), b2 = fp32(beta2):
   rounding mostly hides). A GradScaler's grad_scale / found_inf have no counterpart here.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .env import interpreting
 
 # H200 sweep (benchmarks/optimizer.py --sweep, bf16): 1024 elements x 4 warps moved 4.24 TB/s
 # against a 4.30 TB/s copy; 4096 x 4 fell to 2.9 TB/s.
@@ -171,10 +171,6 @@ def _adamw_kernel(
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def bias_correction_(step: torch.Tensor, pow_consts: torch.Tensor, pow_consts32: torch.Tensor,

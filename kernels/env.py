@@ -7,6 +7,12 @@ from __future__ import annotations
 import os
 
 
+def interpreting() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's interpreter (set before Triton decorates a
+    kernel)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 class KernelEnvError(ValueError):
     """A MOEGRAPH_* kernel variable that does not parse."""
 
