@@ -1,9 +1,13 @@
 """--nproc / --ep checks that need no torch (`moegraph plan` runs them on any machine), and
-how the experts are laid out over their replicas (the one question here that asks torch)."""
+how the experts are laid out over their replicas (the one question here that asks torch, by
+reading its source where torch is not imported yet)."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
+from pathlib import Path
 
 from ..errors import UsageError
 
@@ -30,13 +34,39 @@ def _divisors(n: int) -> list[int]:
 def per_parameter_mesh() -> bool:
     """Whether this torch's FSDP2 can put some of a unit's parameters on a mesh of their own
     (`shard_placement_fn` returning a ShardPlacementResult; torch 2.13 can, 2.11 cannot).
-    Imports torch's FSDP2: asked only where 1 < ep < world."""
+    Asked only where 1 < ep < world. Where torch is not imported yet (`moegraph plan`, which
+    otherwise needs none), the answer is read from FSDP2's source: importing torch and FSDP2
+    takes seconds, the plan itself under one."""
+    if "torch" not in sys.modules:
+        found = _mesh_in_source()
+        if found is not None:
+            return found
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: F401
             FSDPMeshInfo, ShardPlacementResult)
     except ImportError:
         return False
     return True
+
+
+FSDP_COMMON = ("distributed", "fsdp", "_fully_shard", "_fsdp_common.py")
+MESH_CLASSES = ("class FSDPMeshInfo", "class ShardPlacementResult")
+
+
+def _mesh_in_source(root: str | None = None) -> bool | None:
+    """Whether torch's FSDP2 source (under the torch package directory `root`, by default
+    the installed one, found without importing it) defines both classes per_parameter_mesh
+    imports; None where that source cannot be read (then the import answers)."""
+    if root is None:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        root = list(spec.submodule_search_locations)[0]
+    try:
+        text = Path(root, *FSDP_COMMON).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return all(cls in text for cls in MESH_CLASSES)
 
 
 def experts_sharded(world: int, ep: int) -> bool:

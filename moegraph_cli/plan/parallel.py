@@ -41,7 +41,7 @@ Pools, I/O buffers, fragmentation, runtime workspaces and headroom are simulatio
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..distributed.layout import expert_shard_dim, experts_sharded
 from ..models.common.shapes import param_shapes
@@ -108,6 +108,9 @@ class FsdpLayout:
     # experts whole on each of their dp > 1 replicas (a torch without a per-parameter mesh):
     # the trainer all-reduces their grads after the backward, one fp32 copy at a time
     replicated_experts: bool = False
+    # working sets and block sizes worked out once: the planner's search runs eager_dynamic
+    # thousands of times on one layout (which nothing changes once built)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def units(self) -> tuple[FsdpUnit, ...]:
         return tuple(u for u in (self.root, self.embed, self.head) if u is not None) + \
@@ -126,6 +129,17 @@ class FsdpLayout:
     def working_set(self, layer: int, step: int) -> int:
         """Unsharded params of `layer` and of the unit gathered next (forward: step +1,
         backward: step -1) and one all-gather buffer, in b."""
+        return self.working_sets(step)[layer]
+
+    def working_sets(self, step: int) -> list[int]:
+        """`working_set(layer, step)` of every layer."""
+        got = self.cache.get(("working_sets", step))
+        if got is None:
+            got = self.cache[("working_sets", step)] = [
+                self._working_set(layer, step) for layer in range(len(self.layers))]
+        return got
+
+    def _working_set(self, layer: int, step: int) -> int:
         unit, nxt = self.layers[layer], self._neighbour(layer, step)
         numel = unit.numel + (nxt.numel if nxt else 0)
         return self.b * (numel + max(unit.gathered + unit.rows,
@@ -138,7 +152,9 @@ class FsdpLayout:
 
     def largest_block(self) -> int:
         """The largest single FSDP2 allocation: a flat fp32 reduce-scatter input."""
-        return max(4 * u.gathered for u in self.units())
+        if "largest_block" not in self.cache:
+            self.cache["largest_block"] = max(4 * u.gathered for u in self.units())
+        return self.cache["largest_block"]
 
     def side_streams(self) -> int:
         """Bytes FSDP2 allocates on its own streams, which the caching allocator keeps
@@ -148,9 +164,11 @@ class FsdpLayout:
         21.03 GiB where the rest of this model predicted 18.03 GiB; these two account for
         2.9 GiB of the gap (the root's 1.24 GB gather, its 1.24 GB fp32 shard and 0.62 GB
         cast: the root then held the embedding and the lm head, now units of their own)."""
-        units = self.units()
-        return self.b * max(u.gathered for u in units) + \
-            (4 + self.b) * max(u.shard for u in units)
+        if "side_streams" not in self.cache:
+            units = self.units()
+            self.cache["side_streams"] = self.b * max(u.gathered for u in units) + \
+                (4 + self.b) * max(u.shard for u in units)
+        return self.cache["side_streams"]
 
     # -- graphs: moving parameters --------------------------------------------------------
     def moving_buffers(self, scopes, captured, scope_bytes: dict[str, int]) -> int:
@@ -185,14 +203,15 @@ class FsdpLayout:
             live -= b * embed.numel  # resharded after its forward
         kept: list[int] = []
         prev_eager = True
+        mems, ws_fwd, ws_bwd = model.memories(), self.working_sets(+1), self.working_sets(-1)
         for i, (ref, cap) in enumerate(zip(model.scopes, captured)):
-            ws = self.working_set(ref.layer, +1)
+            ws = ws_fwd[ref.layer]
             if cap:
                 top, label = live + ws, f"forward of {ref.name} (FSDP all-gather)"
                 kept.append(0)
                 prev_eager = False
             else:
-                m = model.memory(i)
+                m = mems[i]
                 top, label = live + ws + m.saved + m.out + m.fwd_transient, \
                     f"forward of {ref.name}"
                 keep = m.saved + (model.stream if m.saves_input and prev_eager else 0)
@@ -220,12 +239,12 @@ class FsdpLayout:
         n = len(model.scopes)
         for i in range(n - 1, -1, -1):
             ref, cap, keep = model.scopes[i], captured[i], kept[i]
-            ws = self.working_set(ref.layer, -1)
+            ws = ws_bwd[ref.layer]
             if cap:  # the replay's transients are in its pool; it returns a clone of the grads
                 top = live + ws + grads + b * self.kind_dense.get(ref.kind, 0)
                 label = f"backward of {ref.name} (gradient clone)"
             else:
-                top = live + ws + grads + model.memory(i).bwd_transient
+                top = live + ws + grads + mems[i].bwd_transient
                 label = f"backward of {ref.name}"
             if top > peak:
                 peak, where = top, label

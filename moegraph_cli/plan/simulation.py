@@ -122,6 +122,16 @@ class StepModel:
             self.memo[key] = recomputed(m, mode)
         return self.memo[key]
 
+    def memories(self) -> list[ScopeMemory]:
+        """`memory(i)` of every scope, worked out once per recompute choice (the planner's
+        search predicts each choice many times)."""
+        key = ("memories", self.recompute, id(self.scopes),
+               tuple((k, id(m)) for k, m in self.kinds.items()))
+        got = self.memo.get(key)
+        if got is None:
+            got = self.memo[key] = [self.memory(i) for i in range(len(self.scopes))]
+        return got
+
     # -- the simulation ---------------------------------------------------------------
     def predict(self, captured: Sequence[bool], strategy: str) -> Prediction:
         if strategy not in STRATEGIES:
@@ -208,10 +218,11 @@ class StepModel:
         pools: dict[str, int] = {}
         scope_bytes: dict[str, int] = {}
         members: dict[str, list[int]] = {}
+        mems = self.memories()
         for i, (ref, cap) in enumerate(zip(self.scopes, captured)):
             if not cap:
                 continue
-            m = self.memory(i)
+            m = mems[i]
             if strategy == "per_entry":
                 fwd, bwd = _private_pools(m, 1.0 + min(self.fragmentation,
                                                        PRIVATE_FRAGMENTATION))
@@ -223,11 +234,11 @@ class StepModel:
         for name, idx in members.items():
             live = peak = 0
             for i in idx:  # forward graphs in execution order
-                m = self.memory(i)
+                m = mems[i]
                 peak = max(peak, live + m.saved + m.out + m.fwd_transient)
                 live += m.saved + m.out
             for i in reversed(idx):  # backward graphs in reverse
-                m = self.memory(i)
+                m = mems[i]
                 peak = max(peak, live + m.bwd_transient)
                 live += m.in_grad - m.saved
             offset = self.pool_offsets.get(strategy, 0)
@@ -264,12 +275,13 @@ class StepModel:
         where = "embedding"
         kept: list[int] = []
         prev_eager = True
+        mems = self.memories()
         for i, (ref, cap) in enumerate(zip(self.scopes, captured)):
             if cap:
                 kept.append(0)
                 prev_eager = False
                 continue
-            m = self.memory(i)
+            m = mems[i]
             top = live + m.saved + m.out + m.fwd_transient
             if top > peak:
                 peak, where = top, f"forward of {ref.name}"
@@ -282,7 +294,7 @@ class StepModel:
             ref, cap, keep = self.scopes[i], captured[i], kept[i]
             if cap:
                 continue
-            m = self.memory(i)
+            m = mems[i]
             if live + m.bwd_transient > peak:
                 peak, where = live + m.bwd_transient, f"backward of {ref.name}"
             live -= keep

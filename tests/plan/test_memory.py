@@ -315,6 +315,25 @@ def test_capturing_moves_saved_bytes_from_eager_into_the_pool():
         + 4 * MEDIUM_SEGMENT
 
 
+def test_worked_out_memories_follow_a_replaced_kind_and_the_recompute_modes():
+    """StepModel.memories() is worked out once per choice (the planner's search predicts each
+    choice thousands of times): a kind replaced afterwards (as a calibration does) and each
+    recompute tuple still get their own memories, and predictions equal a fresh model's."""
+    prof = load_profile("tiny-qwen3-moe")
+    model = step_model(prof)
+    before = model.predict((False,) * 4, "shared")
+    assert model.memories()[1] is model.kinds["moe"]
+    fc1 = dataclasses.replace(model, recompute=("none", "fc1", "none", "fc1"))
+    assert fc1.memories()[1] is fc1.memory(1) is not model.kinds["moe"]
+    assert model.memories()[1] is model.kinds["moe"]  # the copy's choice is its own
+    model.kinds["moe"] = dataclasses.replace(model.kinds["moe"], saved=7 * U)
+    assert model.memories()[1].saved == 7 * U
+    after = model.predict((False,) * 4, "shared")
+    fresh = step_model(prof)
+    fresh.kinds["moe"] = dataclasses.replace(fresh.kinds["moe"], saved=7 * U)
+    assert after.peak == fresh.predict((False,) * 4, "shared").peak != before.peak
+
+
 def test_calibration_replaces_formulas():
     prof = load_profile("tiny-qwen3-moe")
     entry = {"key": {}, "scopes": {"attn": {
