@@ -165,10 +165,12 @@ def fit(model: StepModel, captured, strategy: str, budget: int, base: tuple[str,
 
 
 def choose(model: StepModel, budget: int, scopes: list[str], strategies: list[str],
-           savings: Savings, recompute: str = "auto") -> Choice | None:
+           savings: Savings, recompute: str = "auto",
+           fits: dict | None = None) -> Choice | None:
     """The best candidate under `budget` (None when even capturing nothing, with all the
     recompute `recompute` allows, does not fit): the most time saved by graphs net of what
-    the recompute it needs costs."""
+    the recompute it needs costs. `fits`, where given, keeps each (capture, strategy)'s fit
+    for later calls on the same model, budget and recompute request."""
     base, steps = ladder(model, recompute)
     layers = model.prof.model.num_hidden_layers
     # every layer count up to 16 layers; beyond, every GRID-th (and all layers), so a 61-layer
@@ -189,7 +191,13 @@ def choose(model: StepModel, budget: int, scopes: list[str], strategies: list[st
         if best is not None and saved < best.net_ms - 1e-9:
             break  # recompute only subtracts: nothing further down can beat the best
         for strategy in (strategies if any(cap) else strategies[:1]):
-            got = fit(model, cap, strategy, budget, base, steps)
+            if fits is None:
+                got = fit(model, cap, strategy, budget, base, steps)
+            else:
+                key = (id(model), budget, recompute, cap, strategy)
+                if key not in fits:
+                    fits[key] = fit(model, cap, strategy, budget, base, steps)
+                got = fits[key]
             if got is None:
                 continue
             modes, p = got
@@ -308,9 +316,11 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
                             f"{fmt_bytes(floor.required)}")
     # every candidate's peak includes the eager phase: below it nothing fits, skip the search
     best, loss_rows, loss_ms = None, 0, 0.0
+    fits: dict = {}  # the candidates below ask the chosen head's fits again
     if budget_bytes >= floor.required:
         for head_model, rows, ms in heads:  # the head whose plan nets the most time
-            c = choose(head_model, budget_bytes, scopes, strategies, gains, prof.run.recompute)
+            c = choose(head_model, budget_bytes, scopes, strategies, gains, prof.run.recompute,
+                       fits)
             if c is not None and (best is None or c.net_ms - ms > best.net_ms - loss_ms + 1e-9):
                 best, loss_rows, loss_ms, model = c, rows, ms, head_model
     if best is None:
@@ -335,7 +345,7 @@ def plan_command(spec: RunSpec, budget: str | int = "auto", pool: str = "auto",
         })
     candidates = []
     for s in strategies:
-        c = choose(model, budget_bytes, scopes, [s], gains, prof.run.recompute)
+        c = choose(model, budget_bytes, scopes, [s], gains, prof.run.recompute, fits)
         candidates.append({"pool": s, "saved_ms": c.saved_ms if c else None,
                            "predicted_peak": c.prediction.peak if c else None})
     result = {
