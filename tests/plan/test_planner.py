@@ -31,6 +31,14 @@ def small_profile(layers: int, seq_len: int = 128, dense: tuple = ()):
                                            f"model.mlp_only_layers={list(dense)}"])
 
 
+def _same(a, b) -> bool:
+    """Two choices alike in everything the plan reads from them."""
+    if a is None or b is None:
+        return a is b
+    return (a.prediction, a.saved_ms, a.n_attn, a.n_ffn, a.modes, a.recompute_ms) == \
+        (b.prediction, b.saved_ms, b.n_attn, b.n_ffn, b.modes, b.recompute_ms)
+
+
 # -- properties ---------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(layers=st.integers(1, 5), scopes=st.sampled_from([["attn"], ["moe"], ["attn", "moe"]]),
@@ -51,6 +59,12 @@ def test_never_over_budget_and_monotone(layers, scopes, pools, frac, extra, dens
                for ref, c in zip(model.scopes, best.prediction.captured) if c)
     assert all(ref.kind != "attn" or "attn" in scopes
                for ref, c in zip(model.scopes, best.prediction.captured) if c)
+    # plan_command's later per-strategy searches reuse the fits of this one: same answers
+    fits: dict = {}
+    assert _same(choose(model, budget, scopes, pools, gains, fits=fits), best)
+    for s in pools:
+        assert _same(choose(model, budget, scopes, [s], gains, fits=fits),
+                     choose(model, budget, scopes, [s], gains))
     more = choose(model, int(budget * (1 + extra)) + 1, scopes, pools, gains)
     assert more.saved_ms >= best.saved_ms - 1e-9
     assert more.prediction.peak <= int(budget * (1 + extra)) + 1
