@@ -33,6 +33,9 @@ if __name__ == "kernels":
 else:
     from .env import interpreting as _interpreting
 
-    if _interpreting():  # Triton 3.6's interpreter under NumPy 2.4 (interpreter_compat.py)
+    if _interpreting():  # Triton 3.6's interpreter under NumPy 2.4 (interpreter_compat.py),
+        # and the language patched once a launch (interpreter_patch_once.py)
         from .interpreter_compat import apply as _apply
+        from .interpreter_patch_once import apply as _apply_once
         _apply()
+        _apply_once()

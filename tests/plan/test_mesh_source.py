@@ -36,3 +36,20 @@ def test_plan_side_asks_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out == [str(layout.per_parameter_mesh.__wrapped__()), "False"], out
+
+
+def test_a_distributed_plan_imports_no_torch():
+    code = ("import contextlib, io, sys\n"
+            "from moegraph_cli.app import main\n"
+            "sys.argv = ['moegraph', 'plan', '-p', 'tiny-deepseek-v3', '--budget', '1GiB',\n"
+            "            '--nproc', '4', '--ep', '2', '--json']\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try:\n"
+            "        main()\n"
+            "    except SystemExit as e:\n"
+            "        assert not e.code, e.code\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"], out.stdout
