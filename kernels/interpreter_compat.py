@@ -19,6 +19,15 @@ def _index(self) -> int:
     return int(self.handle.data.squeeze())
 
 
+def installed():
+    """The installed triton.runtime.interpreter, or None for a Triton without one."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - a Triton without an interpreter
+        return None
+    return interpreter
+
+
 def needed(interpreter) -> bool:
     """Whether `interpreter` (triton.runtime.interpreter) converts scalars with the bare
     `int(self.handle.data)`."""
@@ -35,12 +44,8 @@ def needed(interpreter) -> bool:
 def apply(interpreter=None) -> bool:
     """Wrap the tensor patching of `interpreter` (default: triton.runtime.interpreter) so that
     `__index__` squeezes first; True if it was needed (and done)."""
-    if interpreter is None:
-        try:
-            from triton.runtime import interpreter
-        except ImportError:  # pragma: no cover - a Triton without an interpreter
-            return False
-    if not needed(interpreter):
+    interpreter = interpreter or installed()
+    if interpreter is None or not needed(interpreter):
         return False
     patch = interpreter._patch_lang_tensor
 

@@ -19,6 +19,8 @@ patch as before. It touches only the interpreter, which compiled kernels never u
 
 from __future__ import annotations
 
+from .interpreter_compat import installed
+
 
 class _Launch:
     """A live launch: the language modules patched while it runs (its own patching first)."""
@@ -50,12 +52,8 @@ def needed(interpreter) -> bool:
 def apply(interpreter=None) -> bool:
     """Wrap `_patch_lang` and the launch (`GridExecutor.__call__`) of `interpreter` (default:
     triton.runtime.interpreter); True if done."""
-    if interpreter is None:
-        try:
-            from triton.runtime import interpreter
-        except ImportError:  # pragma: no cover - a Triton without an interpreter
-            return False
-    if not needed(interpreter):
+    interpreter = interpreter or installed()
+    if interpreter is None or not needed(interpreter):
         return False
     patch, tl, grid = interpreter._patch_lang, interpreter.tl, interpreter.GridExecutor
     langs = (tl, tl.core)
