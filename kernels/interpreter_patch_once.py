@@ -56,12 +56,11 @@ def apply(interpreter=None) -> bool:
     if interpreter is None or not needed(interpreter):
         return False
     patch, tl, grid = interpreter._patch_lang, interpreter.tl, interpreter.GridExecutor
-    langs = (tl, tl.core)
+    langs = frozenset((id(tl), id(tl.core)))
     run_grid = grid.__call__
 
     def seen_by(fn) -> frozenset[int]:
-        return frozenset(id(v) for v in fn.__globals__.values()
-                         if any(v is lang for lang in langs))
+        return langs.intersection(map(id, fn.__globals__.values()))
 
     def patch_lang(fn):
         live = _live[-1] if _live else None

@@ -109,8 +109,9 @@ class FsdpLayout:
     # the trainer all-reduces their grads after the backward, one fp32 copy at a time
     replicated_experts: bool = False
     # working sets and block sizes worked out once: the planner's search runs eager_dynamic
-    # thousands of times on one layout (which nothing changes once built)
-    cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # thousands of times on one layout (which nothing changes once built); not an init field,
+    # so a dataclasses.replace copy with other units starts its own
+    cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def units(self) -> tuple[FsdpUnit, ...]:
         return tuple(u for u in (self.root, self.embed, self.head) if u is not None) + \
