@@ -171,6 +171,7 @@ def choose(model: StepModel, budget: int, scopes: list[str], strategies: list[st
     recompute `recompute` allows, does not fit): the most time saved by graphs net of what
     the recompute it needs costs. `fits`, where given, keeps each (capture, strategy)'s fit
     for later calls on the same model, budget and recompute request."""
+    fits = {} if fits is None else fits
     base, steps = ladder(model, recompute)
     layers = model.prof.model.num_hidden_layers
     # every layer count up to 16 layers; beyond, every GRID-th (and all layers), so a 61-layer
@@ -191,13 +192,10 @@ def choose(model: StepModel, budget: int, scopes: list[str], strategies: list[st
         if best is not None and saved < best.net_ms - 1e-9:
             break  # recompute only subtracts: nothing further down can beat the best
         for strategy in (strategies if any(cap) else strategies[:1]):
-            if fits is None:
-                got = fit(model, cap, strategy, budget, base, steps)
-            else:
-                key = (id(model), budget, recompute, cap, strategy)
-                if key not in fits:
-                    fits[key] = fit(model, cap, strategy, budget, base, steps)
-                got = fits[key]
+            key = (id(model), budget, recompute, cap, strategy)
+            if key not in fits:
+                fits[key] = fit(model, cap, strategy, budget, base, steps)
+            got = fits[key]
             if got is None:
                 continue
             modes, p = got
