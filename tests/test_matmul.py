@@ -24,12 +24,15 @@ SMALL = ["model.vocab_size=128", "model.hidden_size=64", "model.num_attention_he
 @contextlib.contextmanager
 def _half_gemms():
     """Yields a list that, after the block, names every aten GEMM the block ran with a 16-bit
-    float operand (the profiler's recorded input dtypes)."""
+    float operand (the profiler's recorded input dtypes). They are read from the profiler's
+    own event records: its FunctionEvent carries them (`input_dtypes`) only from torch 2.13
+    on, the records' `dtypes()` on 2.11 too."""
     seen = []
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         yield seen
-    seen += [e.name for e in prof.events() if e.name.split("::")[-1].rstrip("_") in GEMMS
-             and any(t in ("c10::BFloat16", "c10::Half") for t in e.input_dtypes)]
+    seen += [e.name() for e in prof.profiler.kineto_results.events()
+             if e.name().split("::")[-1].rstrip("_") in GEMMS
+             and any(t in ("c10::BFloat16", "c10::Half") for t in e.dtypes())]
 
 
 def test_the_recorder_sees_a_half_gemm():
@@ -37,6 +40,11 @@ def test_the_recorder_sees_a_half_gemm():
     with _half_gemms() as seen:
         a @ a, torch.addmm(a, a, a)
     assert {"aten::mm", "aten::addmm"} <= set(seen)
+    w = torch.ones(4, 4, dtype=torch.bfloat16, requires_grad=True)
+    loss = (a @ w).float().sum()
+    with _half_gemms() as seen:  # the backward's GEMM, run by autograd's engine
+        loss.backward()
+    assert "aten::mm" in seen
 
 
 def _operands(dtype, seed=0):
