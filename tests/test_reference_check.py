@@ -110,3 +110,42 @@ def test_verify_renders_the_near_tie_line_only_when_there_is_one(monkeypatch):
     clean = dict(base, max_abs=2e-6, passed=True, first_near_tie=None, near_ties=0,
                  first_over_tolerance=None, max_abs_before_near_tie=2e-6, min_router_margin=0.3)
     assert "near-tie" not in shown(clean)
+    assert "ignores" not in shown(dict(clean, reference_set_from_config=[]))
+    text = shown(dict(clean, reference_set_from_config=["swiglu_alpha", "swiglu_limit"]))
+    assert "this transformers ignores swiglu_alpha, swiglu_limit of the config" in text
+
+
+GPT_OSS_SWIGLU = ["model.swiglu_limit=0.3", "model.swiglu_alpha=1.5"]
+
+
+def test_a_reference_that_ignores_the_swiglu_fields_is_given_them():
+    """transformers 5.17's GptOssExperts hard-codes alpha 1.702 and limit 7.0 whatever the
+    config says (5.25 reads the config): such a reference is set from its config, and the
+    fields are named."""
+    import transformers
+
+    from moegraph_cli.commands.reference_check import honour_config
+
+    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
+                                    num_hidden_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2, swiglu_limit=0.3, swiglu_alpha=1.5)
+    hf = transformers.GptOssForCausalLM(cfg)
+    experts = [m for m in hf.modules() if type(m).__name__ == "GptOssExperts"]
+    assert experts
+    for m in experts:  # as a release that ignores the fields builds them
+        m.alpha, m.limit = 1.702, 7.0
+    assert honour_config(hf) == ["swiglu_alpha", "swiglu_limit"]
+    assert all((m.alpha, m.limit) == (1.5, 0.3) for m in experts)
+    assert honour_config(hf) == []
+
+
+def test_gpt_oss_parity_with_its_own_swiglu_fields():
+    """Clamps that act on these weights (limit 0.3), under any transformers release: the
+    result names the fields where this one ignores them."""
+    model = MoeCausalLM.from_profile("tiny-gpt-oss", dtype=torch.float32,
+                                     overrides=[*SMALL, *GPT_OSS_SWIGLU])
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    r = logits_parity(model, ids)
+    assert r["passed"] and r["max_abs"] <= 1e-4, r
+    assert r["reference_set_from_config"] in ([], ["swiglu_alpha", "swiglu_limit"])

@@ -29,6 +29,25 @@ TOLERANCE = 1e-4
 NEAR_TIE = 1e-4  # router-score gap under which fp32 rounding may swap the k-th expert
 
 
+def honour_config(hf) -> list[str]:
+    """The config fields `hf` (a transformers model) ignores, now set on it from its config;
+    [] where it reads them all. GPT-OSS's gated activation takes `swiglu_alpha` and
+    `swiglu_limit` from the config, as moegraph's does; some transformers releases (5.17)
+    hard-code 1.702 and 7.0 in GptOssExperts instead (5.25 reads the config), so a config
+    with other values would be compared against another model. Such a reference is given the
+    config's values, and the parity result names them."""
+    cfg, fields = hf.config, []
+    for m in hf.modules():
+        if type(m).__name__ != "GptOssExperts":
+            continue
+        for attr, field in (("alpha", "swiglu_alpha"), ("limit", "swiglu_limit")):
+            want = getattr(cfg, field, None)
+            if want is not None and getattr(m, attr, want) != want:
+                setattr(m, attr, want)
+                fields.append(field)
+    return sorted(set(fields))
+
+
 def hf_model_from(model, dtype: torch.dtype = torch.float32):
     try:
         import transformers
@@ -112,6 +131,7 @@ def logits_parity(model, input_ids: torch.Tensor, impl: str = "transformers") ->
         raise UsageError(f"--reference {impl!r}: only 'transformers' is supported")
     ours = fp32_reference_copy(model)
     theirs = hf_model_from(model)
+    set_from_config = honour_config(theirs)
     a, margin_BS = logits_and_margins(ours, input_ids)
     with torch.no_grad():
         b = theirs(input_ids).logits.float()
@@ -121,6 +141,7 @@ def logits_parity(model, input_ids: torch.Tensor, impl: str = "transformers") ->
     ties = explain_gap(gap_BS, margin_BS)
     return {"impl": impl, "max_abs": max_abs, "tolerance": TOLERANCE,
             "passed": max_abs <= TOLERANCE, "compared_in": "float32",
+            "reference_set_from_config": set_from_config,
             "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""), **ties}
 
 

@@ -319,6 +319,10 @@ def verify_result(r: dict, as_json: bool) -> None:
     elif ref:
         out.print(f"logits vs {ref['impl']} (fp32 copies of both): max-abs {ref['max_abs']:.3g} "
                   f"(tolerance {ref['tolerance']:g})")
+        if ref.get("reference_set_from_config"):
+            out.print(f"  this {ref['impl']} ignores {', '.join(ref['reference_set_from_config'])}"
+                      " of the config (it hard-codes them); its model was given the config's"
+                      " values", markup=False)
         if ref.get("first_near_tie") is not None:
             before = ref.get("max_abs_before_near_tie")
             out.print(f"  router near-tie (margin {ref['min_router_margin']:.3g}) first at "

@@ -14,6 +14,7 @@ from moegraph_cli import models
 from moegraph_cli.io.checkpoint_save import save_checkpoint
 from moegraph_cli.io.hf_names import hf_to_moegraph_names, to_moegraph_layout
 from moegraph_cli.io.documents import show
+from moegraph_cli.commands.reference_check import honour_config
 from moegraph_cli.errors import UsageError
 
 transformers = pytest.importorskip("transformers")
@@ -70,6 +71,7 @@ def test_gradients_match_transformers_sinks_and_biases_included(tmp_path):
             p.add_(torch.randn_like(p) * 0.05)
     theirs.save_pretrained(tmp_path / "hf")
     ours = models.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    honour_config(theirs)  # where transformers ignores the swiglu fields (5.17)
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(3))
     a = ours(ids, labels=ids)
     b = theirs(ids, labels=ids, output_router_logits=True)
