@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moegraph_cli.models import MoeCausalLM
-from moegraph_cli.commands.reference_check import logits_parity
+from moegraph_cli.commands.reference_check import honour_config, logits_parity
 
 pytest.importorskip("transformers")
 
@@ -123,8 +123,6 @@ def test_a_reference_that_ignores_the_swiglu_fields_is_given_them():
     config says (5.25 reads the config): such a reference is set from its config, and the
     fields are named."""
     import transformers
-
-    from moegraph_cli.commands.reference_check import honour_config
 
     cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
                                     num_hidden_layers=1, num_attention_heads=4,

@@ -36,7 +36,7 @@ def honour_config(hf) -> list[str]:
     hard-code 1.702 and 7.0 in GptOssExperts instead (5.25 reads the config), so a config
     with other values would be compared against another model. Such a reference is given the
     config's values, and the parity result names them."""
-    cfg, fields = hf.config, []
+    cfg, fields = hf.config, set()
     for m in hf.modules():
         if type(m).__name__ != "GptOssExperts":
             continue
@@ -44,8 +44,8 @@ def honour_config(hf) -> list[str]:
             want = getattr(cfg, field, None)
             if want is not None and getattr(m, attr, want) != want:
                 setattr(m, attr, want)
-                fields.append(field)
-    return sorted(set(fields))
+                fields.add(field)
+    return sorted(fields)
 
 
 def hf_model_from(model, dtype: torch.dtype = torch.float32):
